@@ -1,0 +1,58 @@
+# The two commands a learner needs:  make lab   |   make test
+# Everything lives in .venv at the repo root; every target puts .venv/bin first
+# on PATH so %%bash cells, torchrun and nbval kernels use the same Python.
+
+VENV    := .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+NB_PY   := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
+
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export OMP_NUM_THREADS ?= 1
+export PYTHONWARNINGS ?= ignore::FutureWarning
+export PYTHONNOUSERSITE := 1
+
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
+
+.PHONY: setup lab test test-unit test-notebooks notebooks lint clean
+
+setup: $(STAMP)
+
+# torch first, from its pin (the CPU build on this machine; keep a CUDA build you
+# installed yourself on a GPU node), then the rest without build isolation so the
+# DeepSpeed sdist builds against that torch instead of downloading another.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=64" wheel $(QUIET)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 $(QUIET)
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[dev]" $(QUIET)
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	$(PY) -m helpers.warmup
+	touch $(STAMP)
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/
+
+test: setup lint test-unit test-notebooks
+
+test-unit: setup
+	$(PY) -m pytest -q tests
+
+# nbval executes every notebook; GUIDE_SIZE=quick runs the same cells with fewer steps
+test-notebooks: setup
+	GUIDE_SIZE=quick $(PY) -m pytest -q --nbval-lax notebooks/ -p no:cacheprovider
+
+# .py (percent format) is the source: rebuild each .ipynb from it and execute it for outputs
+notebooks: setup
+	@for f in $(NB_PY); do \
+		echo "== $$f"; \
+		$(VENV)/bin/jupytext --to ipynb --set-kernel python3 --execute "$$f" || exit 1; \
+	done
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf notebooks/runs runs .pytest_cache

@@ -1,0 +1,112 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the guide's engine interface.
+
+``apply_fsdp(model, job, device)`` shards each transformer block, then the
+root, and returns an engine with ``train_step(batches) -> (loss, grad_norm)``
+- the same shape as ``helpers.backends.deepspeed.apply_deepspeed``.
+
+Precision follows Accelerate: with ``mixed_precision: bf16`` the model
+(loaded in bf16) is upcast to fp32 before sharding, so the sharded params and
+the optimizer are fp32 while forward/backward run in bf16
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``). With
+``mixed_precision: no`` nothing is upcast: a bf16 model trains in bf16 end to
+end (the memory-constrained mode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from ..config import JobConfig
+from ..models import decoder_layers
+
+
+def fsdp_mesh(job: JobConfig, world_size: int, device_type: str):
+    """1-D mesh for FULL/SHARD_GRAD_OP; 2-D (replicate, shard) for NO_SHARD and HYBRID_*."""
+    o = job.fsdp
+    if o.sharding == "NO_SHARD":
+        shape = (world_size, 1)
+    elif o.sharding.startswith("HYBRID"):
+        shape = (world_size // o.hybrid_shard_size, o.hybrid_shard_size)
+    else:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> FSDPEngine:
+    o = job.fsdp
+    world_size = dist.get_world_size()
+    mesh = fsdp_mesh(job, world_size, device.type)
+    mp_policy = MixedPrecisionPolicy()
+    if job.mixed_precision == "bf16":
+        model.to(device)
+        for p in model.parameters():  # Accelerate's upcast: fp32 shards, bf16 compute
+            p.data = p.data.float()
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    offload: OffloadPolicy = OffloadPolicy()
+    if o.offload_params:
+        # pinned host memory needs an accelerator; on a CPU-only box offload moves nothing
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    kw = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    if o.auto_wrap_policy != "NO_WRAP":
+        for block in decoder_layers(model):
+            fully_shard(block, reshard_after_forward=o.reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=o.reshard_after_forward, **kw)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
+    )
+    return FSDPEngine(model, optimizer, mesh, job.train.grad_clip)
+
+
+class FSDPEngine:
+    """One optimizer step over a list of micro-batches, FSDP2 style."""
+
+    backend = "fsdp"
+
+    def __init__(self, model, optimizer, mesh, grad_clip: float):
+        self.model, self.optimizer, self.mesh, self.grad_clip = model, optimizer, mesh, grad_clip
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model
+
+    def train_step(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+        n = len(batches)
+        total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
+        for i, ids in enumerate(batches):
+            # gradients are reduce-scattered only after the last micro-batch
+            self.model.set_requires_gradient_sync(i == n - 1)
+            loss = self.model(input_ids=ids, labels=ids).loss
+            (loss / n).backward()
+            total += loss.detach().float()
+        norm = self._grad_norm()
+        if self.grad_clip > 0:
+            self._clip(norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / n, float(norm)
+
+    def _grad_norm(self) -> torch.Tensor:
+        """Global L2 norm in fp64 over the local grad shards, as DeepSpeed computes it."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
+        for p in params:
+            sq += p.grad.to_local().double().norm(2) ** 2
+        shard_dim = self.mesh["shard"] if self.mesh.ndim > 1 else self.mesh
+        if shard_dim.size() > 1:
+            dist.all_reduce(sq, group=shard_dim.get_group())
+        return sq.sqrt()
+
+    def _clip(self, norm: torch.Tensor) -> None:
+        # DeepSpeed's formula: scale = max((norm + 1e-6) / max_norm, 1), grads *= 1/scale
+        scale = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.to_local().mul_(1.0 / scale)

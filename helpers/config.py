@@ -1,0 +1,498 @@
+"""Accelerate-format launch configs -> one validated, typed JobConfig.
+
+The YAML files in ``launch_configs/`` use Accelerate's own keys, so a learner
+can take them unchanged to ``accelerate launch --config_file``. This module
+reads them, checks every key and value, and refuses bad input *before* any
+rank starts, with one line naming the file, the key, the value and what is
+allowed.
+
+Check a file without launching anything::
+
+    python -m helpers.config launch_configs/fsdp/full_shard.yaml --world-size 2
+
+Exit status 0 and a summary when the file is good, 2 and one ``error:`` line
+when it is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Backend = Literal["fsdp", "deepspeed"]
+Precision = Literal["no", "bf16"]
+Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+
+
+class ConfigError(ValueError):
+    """Bad launch config or override; ``str(err)`` is the one line to show."""
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass
+class TrainOptions:
+    """Job settings that Accelerate leaves to the training script (CLI flags)."""
+
+    model: str = "tiny"  # preset name, config.json path or pretrained directory
+    steps: int = 20  # optimizer steps
+    lr: float = 1e-3  # AdamW learning rate (constant)
+    seed: int = 0  # model init and data
+    micro_batch: int = 8  # sequences per rank per forward
+    seq_len: int = 64  # tokens per sequence
+    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_clip: float = 0.0  # max global grad norm; 0 = no clipping
+    weight_decay: float = 0.0  # AdamW weight decay
+
+
+@dataclass
+class FSDPOptions:
+    """``fsdp_config`` keys, mapped onto FSDP2 (``fully_shard``)."""
+
+    sharding: Sharding = "FULL_SHARD"  # what each rank keeps a shard of (see helpers.mapping)
+    reshard_after_forward: bool = True  # free gathered params after forward (FULL_SHARD)
+    hybrid_shard_size: int | None = None  # ranks per shard group under HYBRID_*; None = ranks per node
+    offload_params: bool = False  # params, grads and optimizer states on the host
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "SHARDED_STATE_DICT"
+    cpu_ram_efficient_loading: bool = False  # meta init + rank-0 load + broadcast
+    sync_module_states: bool = True
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"] = (
+        "TRANSFORMER_BASED_WRAP"
+    )
+    transformer_layer_cls_to_wrap: str | None = None  # None = found from the model
+    min_num_params: int = 100_000_000  # SIZE_BASED_WRAP threshold
+    forward_prefetch: bool = False
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"] = "BACKWARD_PRE"
+    activation_checkpointing: bool = False
+    use_orig_params: bool = True  # FSDP1 only; FSDP2 always trains the original params
+
+
+@dataclass
+class DeepSpeedOptions:
+    """``deepspeed_config`` keys plus the DeepSpeed JSON they resolve to."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 2  # Accelerate's default
+    offload_optimizer_device: Literal["none", "cpu", "nvme"] = "none"
+    offload_param_device: Literal["none", "cpu", "nvme"] = "none"
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
+    zero3_init_flag: bool = False  # partition params as they are created
+    zero3_save_16bit_model: bool = False  # consolidated 16-bit weights on save
+    config_file: str | None = None  # deepspeed_config_file, resolved path
+    json: dict = field(default_factory=dict)  # the DeepSpeed config ("auto" filled at launch)
+
+
+@dataclass
+class JobConfig:
+    """Everything a job needs, resolved from YAML + CLI overrides."""
+
+    source: str
+    backend: Backend
+    mixed_precision: Precision
+    train: TrainOptions
+    fsdp: FSDPOptions | None = None
+    deepspeed: DeepSpeedOptions | None = None
+    notes: list[str] = field(default_factory=list)  # translation notes, shown in log.txt
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------- key tables
+
+# Top-level keys Accelerate's ClusterConfig accepts; those we read are handled below,
+# the rest only matter to `accelerate launch` and are accepted and ignored.
+_TOP_KEYS = {
+    "compute_environment", "debug", "distributed_type", "downcast_bf16", "enable_cpu_affinity",
+    "gpu_ids", "machine_rank", "main_process_ip", "main_process_port", "main_training_function",
+    "mixed_precision", "num_machines", "num_processes", "rdzv_backend", "same_network",
+    "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "fsdp_config", "deepspeed_config",
+    "parallelism_config", "dynamo_config",
+}
+_SHARDING = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+_FSDP_KEYS = {
+    "fsdp_version": [1, 2],
+    "fsdp_sharding_strategy": _SHARDING,
+    "fsdp_reshard_after_forward": None,  # bool (v2) or a strategy name (v1)
+    "fsdp_offload_params": bool,
+    "fsdp_state_dict_type": ["FULL_STATE_DICT", "SHARDED_STATE_DICT"],
+    "fsdp_cpu_ram_efficient_loading": bool,
+    "fsdp_sync_module_states": bool,
+    "fsdp_auto_wrap_policy": ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"],
+    "fsdp_transformer_layer_cls_to_wrap": str,
+    "fsdp_min_num_params": int,
+    "fsdp_forward_prefetch": bool,
+    "fsdp_backward_prefetch": ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"],
+    "fsdp_activation_checkpointing": bool,
+    "fsdp_use_orig_params": bool,
+}
+_DS_KEYS = {
+    "zero_stage": [0, 1, 2, 3],
+    "offload_optimizer_device": ["none", "cpu", "nvme"],
+    "offload_param_device": ["none", "cpu", "nvme"],
+    "offload_optimizer_nvme_path": str,
+    "offload_param_nvme_path": str,
+    "zero3_init_flag": bool,
+    "zero3_save_16bit_model": bool,
+    "gradient_accumulation_steps": int,
+    "gradient_clipping": float,
+    "deepspeed_config_file": str,
+    "deepspeed_multinode_launcher": ["standard", "pdsh", "openmpi", "mvapich", "mpich", "nossh", "slurm"],
+    "deepspeed_hostfile": str,
+    "deepspeed_inclusion_filter": str,
+    "deepspeed_exclusion_filter": str,
+    "deepspeed_moe_layer_cls_names": str,
+}
+# Accelerate refuses these next to deepspeed_config_file: the JSON must say them.
+_DS_FILE_EXCLUSIVE = [
+    "gradient_accumulation_steps", "gradient_clipping", "zero_stage", "offload_optimizer_device",
+    "offload_param_device", "offload_param_nvme_path", "offload_optimizer_nvme_path",
+    "zero3_save_16bit_model",
+]
+_PAR_KEYS = {
+    "parallelism_config_dp_replicate_size": int,
+    "parallelism_config_dp_shard_size": int,
+    "parallelism_config_tp_size": int,
+    "parallelism_config_cp_size": int,
+}
+
+
+# --------------------------------------------------------------------------- checking
+
+
+class _Checker:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, msg: str):
+        raise ConfigError(f"{self.source}: {msg}")
+
+    def unknown(self, where: str, key: str, allowed):
+        near = difflib.get_close_matches(str(key), list(allowed), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        self.fail(f"unknown key {where}{key}{hint}; allowed: {', '.join(sorted(allowed))}")
+
+    def value(self, key: str, value: Any, rule):
+        """Check one value against a rule: a type or a list of choices."""
+        if rule is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            self.fail(f"{key} = {value!r}: expected true or false")
+        if rule is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            self.fail(f"{key} = {value!r}: expected an integer")
+        if rule is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            self.fail(f"{key} = {value!r}: expected a number")
+        if rule is str:
+            if isinstance(value, str) and value:
+                return value
+            self.fail(f"{key} = {value!r}: expected a non-empty string")
+        if isinstance(rule, list):
+            for choice in rule:
+                if value == choice or (isinstance(value, str) and str(choice).lower() == value.lower()):
+                    return choice
+            self.fail(f"{key} = {value!r}: allowed values are {', '.join(map(str, rule))}")
+        return value
+
+    def section(self, raw: dict, name: str, rules: dict) -> dict:
+        sec = raw.get(name) or {}
+        if not isinstance(sec, dict):
+            self.fail(f"{name} = {sec!r}: expected a mapping of keys")
+        out = {}
+        for k, v in sec.items():
+            if k not in rules:
+                self.unknown(f"{name}.", k, rules)
+            out[k] = v if rules[k] is None else self.value(f"{name}.{k}", v, rules[k])
+        return out
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping of Accelerate config keys")
+    return raw
+
+
+def _find_file(name: str, yaml_path: str) -> Path | None:
+    """A path in a config: as given (cwd), else next to the YAML or one of its parents."""
+    p = Path(name)
+    if p.is_absolute() or p.is_file():
+        return p if p.is_file() else None
+    for base in [Path(yaml_path).resolve().parent, *Path(yaml_path).resolve().parents]:
+        if (base / p).is_file():
+            return base / p
+    return None
+
+
+def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPOptions, list[str]]:
+    sec = c.section(raw, "fsdp_config", _FSDP_KEYS)
+    par = c.section(raw, "parallelism_config", _PAR_KEYS)
+    notes: list[str] = []
+    o = FSDPOptions()
+    version = sec.get("fsdp_version", 1)
+    raf = sec.get("fsdp_reshard_after_forward")
+    strategy = sec.get("fsdp_sharding_strategy")
+    if isinstance(raf, bool) or (isinstance(raf, str) and raf.lower() in ("true", "false")):
+        raf = c.value("fsdp_config.fsdp_reshard_after_forward", raf, bool)
+        if strategy is not None:
+            c.fail(
+                "fsdp_config: give either fsdp_sharding_strategy or a true/false "
+                "fsdp_reshard_after_forward, not both"
+            )
+        strategy = "FULL_SHARD" if raf else "SHARD_GRAD_OP"
+    elif raf is not None:  # FSDP1 spelling: the strategy name under reshard_after_forward
+        strategy = c.value("fsdp_config.fsdp_reshard_after_forward", raf, _SHARDING)
+    o.sharding = strategy or "FULL_SHARD"
+    o.reshard_after_forward = o.sharding in ("FULL_SHARD", "HYBRID_SHARD")
+    if version == 1:
+        notes.append("fsdp_version 1 keys are run with FSDP2 (fully_shard), as Accelerate maps them")
+    for key, attr in [
+        ("fsdp_offload_params", "offload_params"), ("fsdp_state_dict_type", "state_dict_type"),
+        ("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
+        ("fsdp_sync_module_states", "sync_module_states"), ("fsdp_auto_wrap_policy", "auto_wrap_policy"),
+        ("fsdp_transformer_layer_cls_to_wrap", "transformer_layer_cls_to_wrap"),
+        ("fsdp_min_num_params", "min_num_params"), ("fsdp_forward_prefetch", "forward_prefetch"),
+        ("fsdp_backward_prefetch", "backward_prefetch"),
+        ("fsdp_activation_checkpointing", "activation_checkpointing"),
+        ("fsdp_use_orig_params", "use_orig_params"),
+    ]:
+        if key in sec:
+            setattr(o, attr, sec[key])
+    if o.min_num_params < 0:
+        c.fail(f"fsdp_config.fsdp_min_num_params = {o.min_num_params}: must be >= 0")
+
+    for key in ("parallelism_config_tp_size", "parallelism_config_cp_size"):
+        if par.get(key, 1) != 1:
+            c.fail(f"parallelism_config.{key} = {par[key]}: this guide runs data parallelism only; allowed: 1")
+    rep, shard = par.get("parallelism_config_dp_replicate_size"), par.get("parallelism_config_dp_shard_size")
+    for key, v in (("dp_replicate_size", rep), ("dp_shard_size", shard)):
+        if v is not None and v < 1:
+            c.fail(f"parallelism_config.parallelism_config_{key} = {v}: must be >= 1")
+    if rep and rep > 1 and o.sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        o.sharding = "HYBRID_SHARD" if o.sharding == "FULL_SHARD" else "HYBRID_SHARD_ZERO2"
+    if o.sharding.startswith("HYBRID"):
+        o.hybrid_shard_size = shard
+        if world_size is not None:
+            size = shard or (world_size // rep if rep else None)
+            if size is None:
+                size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            if rep and shard and rep * shard != world_size:
+                c.fail(
+                    f"parallelism_config: dp_replicate_size ({rep}) x dp_shard_size ({shard}) = "
+                    f"{rep * shard}, but the job has {world_size} ranks"
+                )
+            if world_size % size or size == world_size:
+                c.fail(
+                    f"{o.sharding} needs a shard group that divides the world size into 2 or more "
+                    f"replicas: shard group size {size}, world size {world_size} "
+                    "(hybrid modes need 4 ranks here: 2 replicas x 2 shards)"
+                )
+            o.hybrid_shard_size = size
+    return o, notes
+
+
+def _deepspeed_options(c: _Checker, raw: dict) -> tuple[DeepSpeedOptions, Precision, list[str]]:
+    sec = c.section(raw, "deepspeed_config", _DS_KEYS)
+    notes: list[str] = []
+    o = DeepSpeedOptions()
+    for k in ("zero_stage", "offload_optimizer_device", "offload_param_device",
+              "offload_optimizer_nvme_path", "offload_param_nvme_path",
+              "zero3_init_flag", "zero3_save_16bit_model"):
+        if k in sec:
+            setattr(o, k, sec[k])
+    if "deepspeed_config_file" in sec:
+        clash = [k for k in _DS_FILE_EXCLUSIVE if k in sec] + (
+            ["mixed_precision"] if raw.get("mixed_precision") is not None else [])
+        if clash:
+            c.fail(
+                f"deepspeed_config.deepspeed_config_file is set, so {', '.join(clash)} must be "
+                "in the DeepSpeed JSON instead (Accelerate refuses both)"
+            )
+        found = _find_file(sec["deepspeed_config_file"], c.source)
+        if found is None:
+            c.fail(f"deepspeed_config.deepspeed_config_file = {sec['deepspeed_config_file']!r}: no such file")
+        o.config_file = str(found)
+        try:
+            o.json = json.loads(found.read_text())
+        except json.JSONDecodeError as e:
+            c.fail(f"{found}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}")
+        if not isinstance(o.json, dict):
+            c.fail(f"{found}: expected a JSON object")
+        return o, *_read_ds_json(c, o, str(found), notes)
+
+    # Inline keys: build the JSON the way Accelerate does.
+    mp = c.value("mixed_precision", raw.get("mixed_precision") or "no", ["no", "bf16"])
+    zo: dict[str, Any] = {"stage": o.zero_stage}
+    for what in ("optimizer", "param"):
+        dev = getattr(o, f"offload_{what}_device")
+        if dev != "none":
+            zo[f"offload_{what}"] = {"device": dev}
+            if dev == "nvme":
+                path = getattr(o, f"offload_{what}_nvme_path")
+                if not path:
+                    c.fail(f"deepspeed_config.offload_{what}_device = nvme needs offload_{what}_nvme_path")
+                zo[f"offload_{what}"]["nvme_path"] = path
+    if o.zero3_save_16bit_model:
+        zo["stage3_gather_16bit_weights_on_model_save"] = True
+    o.json = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": sec.get("gradient_accumulation_steps", "auto"),
+        "zero_optimization": zo,
+        "bf16": {"enabled": mp == "bf16"},
+    }
+    clip = sec.get("gradient_clipping")
+    if clip:
+        o.json["gradient_clipping"] = clip
+    elif clip is not None:
+        notes.append(
+            "gradient_clipping: 0 in the YAML is dropped (Accelerate only passes a non-zero value), "
+            "so DeepSpeed clips at its default 1.0; set it in a deepspeed_config_file to turn clipping off"
+        )
+    return o, mp, notes
+
+
+def _read_ds_json(c: _Checker, o: DeepSpeedOptions, path: str, notes: list[str]):
+    js = o.json
+    zo = js.get("zero_optimization", {})
+    if not isinstance(zo, dict):
+        c.fail(f"{path}: zero_optimization = {zo!r}: expected an object")
+    o.zero_stage = c.value(f"{path}: zero_optimization.stage", zo.get("stage", 0), [0, 1, 2, 3])
+    for what in ("optimizer", "param"):
+        dev = (zo.get(f"offload_{what}") or {}).get("device", "none")
+        setattr(o, f"offload_{what}_device",
+                c.value(f"{path}: zero_optimization.offload_{what}.device", dev, ["none", "cpu", "nvme"]))
+    o.zero3_save_16bit_model = bool(zo.get("stage3_gather_16bit_weights_on_model_save", False))
+    bf16 = (js.get("bf16") or {}).get("enabled", False)
+    fp16 = (js.get("fp16") or {}).get("enabled", False)
+    if fp16 not in (False, "false"):
+        c.fail(f"{path}: fp16.enabled = {fp16!r}: this guide trains in bf16 or fp32; allowed: false")
+    if bf16 == "auto":
+        c.fail(f"{path}: bf16.enabled = 'auto' needs a mixed_precision to fill it from; write true or false")
+    mp: Precision = "bf16" if c.value(f"{path}: bf16.enabled", bf16, bool) else "no"
+    return mp, notes
+
+
+def load_job_config(path: str, overrides: dict | None = None, world_size: int | None = None) -> JobConfig:
+    """Read and validate a launch config, then apply CLI overrides.
+
+    ``world_size`` (when known) lets the check refuse layouts that cannot run.
+    Raises ConfigError with a one-line message.
+    """
+    c = _Checker(path)
+    raw = _read_yaml(path)
+    for k in raw:
+        if k not in _TOP_KEYS:
+            c.unknown("", k, _TOP_KEYS)
+    dt = c.value("distributed_type", raw.get("distributed_type"), ["FSDP", "DEEPSPEED"])
+    for other in ("fsdp_config", "deepspeed_config"):
+        if raw.get(other) and other != {"FSDP": "fsdp_config", "DEEPSPEED": "deepspeed_config"}[dt]:
+            c.fail(f"{other} is given but distributed_type is {dt}")
+    train = _train_options(c, overrides or {})
+    if dt == "FSDP":
+        fsdp, notes = _fsdp_options(c, raw, world_size)
+        mp = c.value("mixed_precision", raw.get("mixed_precision") or "no", ["no", "bf16"])
+        job = JobConfig(path, "fsdp", mp, train, fsdp=fsdp, notes=notes)
+    else:
+        if raw.get("parallelism_config"):
+            c.fail("parallelism_config is an FSDP2 setting; for DeepSpeed hybrid sharding "
+                   "set zero_optimization.zero_hpz_partition_size in the JSON")
+        ds, mp, notes = _deepspeed_options(c, raw)
+        job = JobConfig(path, "deepspeed", mp, train, deepspeed=ds, notes=notes)
+        _merge_ds_training(c, job, overrides or {})
+    if world_size is not None and world_size < 1:
+        c.fail(f"world size {world_size}: must be >= 1")
+    return job
+
+
+def _train_options(c: _Checker, overrides: dict) -> TrainOptions:
+    t = TrainOptions()
+    rules = {"model": str, "steps": int, "lr": float, "seed": int, "micro_batch": int,
+             "seq_len": int, "grad_accum": int, "grad_clip": float, "weight_decay": float}
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        if k not in rules:
+            c.unknown("override ", k, rules)
+        setattr(t, k, c.value(f"--{k.replace('_', '-')}", v, rules[k]))
+    for k in ("steps", "micro_batch", "seq_len", "grad_accum"):
+        if getattr(t, k) < 1:
+            c.fail(f"--{k.replace('_', '-')} = {getattr(t, k)}: must be >= 1")
+    for k in ("lr", "grad_clip", "weight_decay"):
+        if getattr(t, k) < 0:
+            c.fail(f"--{k.replace('_', '-')} = {getattr(t, k)}: must be >= 0")
+    if t.seq_len < 2:
+        c.fail(f"--seq-len = {t.seq_len}: must be >= 2 (a causal LM predicts the next token)")
+    return t
+
+
+def _merge_ds_training(c: _Checker, job: JobConfig, overrides: dict) -> None:
+    """Accumulation and clipping: one value, from the CLI or the DeepSpeed config, never two."""
+    js = job.deepspeed.json
+    for ds_key, attr, rule in (("gradient_accumulation_steps", "grad_accum", int),
+                               ("gradient_clipping", "grad_clip", float)):
+        v = js.get(ds_key, "auto")
+        if v == "auto":
+            continue
+        v = c.value(ds_key, v, rule)
+        cli = overrides.get(attr)
+        if cli is not None and cli != v:
+            c.fail(f"--{attr.replace('_', '-')} {cli} conflicts with {ds_key} = {v} in the DeepSpeed "
+                   "config; change one of them or write \"auto\" there")
+        setattr(job.train, attr, v)
+    if "gradient_clipping" not in js:
+        job.train.grad_clip = 1.0  # DeepSpeed's own default
+        if overrides.get("grad_clip") is not None and overrides["grad_clip"] != 1.0:
+            c.fail(f"--grad-clip {overrides['grad_clip']}: the DeepSpeed config does not set "
+                   "gradient_clipping, so DeepSpeed clips at 1.0; set it there")
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m helpers.config", description="Validate a launch config.")
+    ap.add_argument("config")
+    ap.add_argument("--world-size", type=int, default=None, help="check the layout against N ranks")
+    args = ap.parse_args(argv)
+    try:
+        job = load_job_config(args.config, world_size=args.world_size)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    what = job.backend.upper()
+    if job.fsdp:
+        what += f" {job.fsdp.sharding} (reshard_after_forward={job.fsdp.reshard_after_forward})"
+    if job.deepspeed:
+        what += f" ZeRO-{job.deepspeed.zero_stage}"
+    print(f"ok: {args.config}: {what}, mixed_precision={job.mixed_precision}")
+    for n in job.notes:
+        print(f"note: {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The run directory: what a job writes, and the one documented schema for it.
+
+A job started with ``--out DIR`` writes, from rank 0 only:
+
+``DIR/config.json``
+    The fully resolved job: the parsed launch config, CLI overrides, the
+    DeepSpeed JSON with every "auto" filled, world size, device.
+``DIR/metrics.jsonl``
+    One JSON object per optimizer step, keys in ``STEP_KEYS``.
+``DIR/log.txt``
+    What rank 0 printed, plus notes from the config translation.
+``DIR/summary.json``
+    Written atomically (temp file + rename) when the job ends, keys in
+    ``SUMMARY_KEYS``. A job that fails writes ``"status": "failed"`` and the
+    reason; a job that is killed writes nothing, so a directory without a
+    summary is an incomplete run, never a completed one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+STEP_KEYS = {
+    "step": "optimizer step, from 0",
+    "loss": "causal-LM loss, mean over the step's micro-batches and over ranks",
+    "grad_norm": "global L2 norm of the gradients before clipping (fp64, like DeepSpeed)",
+    "lr": "learning rate used for the step",
+    "step_time_s": "wall time of the step on rank 0 (forward, backward, optimizer)",
+    "tokens_per_s": "tokens one rank processed per second in this step",
+}
+
+SUMMARY_KEYS = {
+    "status": '"completed" or "failed"',
+    "reason": "why a failed run failed (null when completed)",
+    "failed_rank": "rank that reported the failure (null when completed)",
+    "backend": '"fsdp" or "deepspeed"',
+    "config": "path of the launch config",
+    "mode": "sharding mode, e.g. FULL_SHARD or ZeRO-3",
+    "mixed_precision": '"no" or "bf16"',
+    "world_size": "number of ranks",
+    "num_nodes": "number of nodes (torchrun --nnodes)",
+    "model": "--model value",
+    "num_params": "parameters of the unsharded model",
+    "steps": "optimizer steps run",
+    "tokens_per_step": "tokens per optimizer step, all ranks together",
+    "losses": "loss of every step (same values as metrics.jsonl)",
+    "final_loss": "loss of the last step",
+    "step_time_s": "median step time, first step (warm-up) excluded when there are more",
+    "tokens_per_s_per_rank": "tokens per second per rank at the median step time",
+    "wall_time_s": "seconds from process start to the summary",
+    "device": '"cpu" or the GPU name',
+    "dist_backend": '"gloo" or "nccl"',
+    "versions": "torch, deepspeed, transformers versions",
+}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RunDir:
+    """Rank 0's writer for one run directory. Other ranks get a RunDir that writes nothing."""
+
+    RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "log.txt")
+
+    def __init__(self, path: str | os.PathLike, active: bool):
+        self.path, self.active = Path(path), active
+        self._metrics = self._log = None
+
+    def start(self, config: dict) -> None:
+        """Empty the directory (if it is an earlier run of ours), then write config.json."""
+        if not self.active:
+            return
+        p = self.path
+        if p.exists() and any(p.iterdir()):
+            if not (p / "config.json").exists():
+                raise FileExistsError(
+                    f"--out {p}: directory exists, is not empty and is not a run directory; "
+                    "pick a new path so nothing else is overwritten"
+                )
+            shutil.rmtree(p)
+        p.mkdir(parents=True, exist_ok=True)
+        _atomic_write(p / "config.json", json.dumps(config, indent=2, default=str))
+        self._metrics = open(p / "metrics.jsonl", "w")
+        self._log = open(p / "log.txt", "w")
+
+    def log(self, line: str, echo: bool = True) -> None:
+        if not self.active:
+            return
+        if echo:
+            print(line, flush=True)
+        if self._log:
+            self._log.write(line + "\n")
+            self._log.flush()
+
+    def step(self, record: dict) -> None:
+        if self._metrics:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
+
+    def finish(self, summary: dict) -> None:
+        """Write summary.json atomically; every key must be in SUMMARY_KEYS."""
+        if not self.active:
+            return
+        unknown = set(summary) - set(SUMMARY_KEYS)
+        assert not unknown, f"undocumented summary keys: {sorted(unknown)}"
+        for f in (self._metrics, self._log):
+            if f:
+                f.close()
+        if self.path.is_dir():
+            _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2))
+
+
+def summarize_steps(records: list[dict], tokens_per_rank_step: int) -> dict:
+    """Median step time (warm-up step excluded) and the tokens/s it implies."""
+    times = [r["step_time_s"] for r in records]
+    steady = times[1:] if len(times) > 1 else times
+    median = statistics.median(steady) if steady else float("nan")
+    return {
+        "losses": [r["loss"] for r in records],
+        "final_loss": records[-1]["loss"] if records else None,
+        "step_time_s": median,
+        "tokens_per_s_per_rank": tokens_per_rank_step / median if steady else None,
+    }
+
+
+class Timer:
+    """Wall time of a block; waits for the GPU so asynchronous kernels are counted."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        self._sync()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._sync()
+        self.seconds = time.perf_counter() - self.t0
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)

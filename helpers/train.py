@@ -1,0 +1,221 @@
+"""The job entry point: one code path for 1 rank, N ranks and N nodes.
+
+    torchrun --nproc_per_node 2 -m helpers.train \\
+        --config launch_configs/fsdp/full_shard.yaml --out runs/fsdp_tiny --steps 20
+
+also ``python -m helpers.train ...`` (one rank, no launcher) and
+``torchrun --nnodes M --node_rank R --rdzv-endpoint HOST:PORT ...`` (several
+nodes). ``RANK``/``WORLD_SIZE`` from the launcher decide who does what; only
+rank 0 prints and writes the run directory (see helpers.metrics).
+
+Picks gloo + CPU (and ``DS_ACCELERATOR=cpu``) when no GPU is visible, nccl +
+CUDA when one is. A bad config or override exits with status 2 and one
+``error:`` line from rank 0, before any process group or run directory exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from importlib import metadata
+
+T0 = time.perf_counter()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="Accelerate-format YAML (launch_configs/...)")
+    ap.add_argument("--out", required=True, help="run directory to write")
+    ap.add_argument("--model", help="preset (tiny, small, medium), config.json or pretrained dir")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--micro-batch", type=int)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--grad-accum", type=int)
+    ap.add_argument("--grad-clip", type=float, help="max grad norm (FSDP); DeepSpeed reads its config")
+    return ap.parse_args(argv)
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fail_config(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def versions() -> dict:
+    out = {}
+    for pkg in ("torch", "deepspeed", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+
+    # ---- validate everything before any process group or file exists
+    from .config import ConfigError, load_job_config
+    from .models import ModelSpecError, resolve_model
+
+    overrides = {k: getattr(args, k) for k in
+                 ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip")}
+    try:
+        job = load_job_config(args.config, overrides, world_size=world_size)
+        spec = resolve_model(job.train.model)
+    except (ConfigError, ModelSpecError) as e:
+        fail_config(rank, str(e))
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed warns per gloo collective
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    import torch
+
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist_backend = "nccl" if use_cuda else "gloo"
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m helpers.train`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+
+    import torch.distributed as dist
+
+    from .metrics import RunDir, Timer, summarize_steps
+    from .models import build_model, count_params, synthetic_batch
+
+    run = RunDir(args.out, active=rank == 0)
+    records: list[dict] = []
+    summary = {
+        "status": "failed", "reason": None, "failed_rank": None, "backend": job.backend,
+        "config": args.config, "mode": mode_name(job), "mixed_precision": job.mixed_precision,
+        "world_size": world_size, "num_nodes": _env_int("GROUP_WORLD_SIZE", 1) if "GROUP_WORLD_SIZE"
+        in os.environ else max(1, world_size // _env_int("LOCAL_WORLD_SIZE", world_size)),
+        "model": job.train.model, "num_params": None, "steps": 0,
+        "tokens_per_step": job.train.micro_batch * job.train.grad_accum * job.train.seq_len * world_size,
+        "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+        "dist_backend": dist_backend, "versions": versions(),
+    }
+    try:
+        dist.init_process_group(dist_backend, device_id=device if use_cuda else None)
+        if job.backend == "deepspeed":
+            import deepspeed
+
+            _quiet_deepspeed(rank)
+            deepspeed.init_distributed(dist_backend=dist_backend)
+        ds_filled = []
+        resolved = job.to_dict()
+        if job.backend == "deepspeed":
+            from .backends.deepspeed import resolved_ds_config
+
+            try:
+                resolved["deepspeed"]["json"], ds_filled = resolved_ds_config(job, world_size)
+            except ValueError as e:
+                fail_config(rank, f"{args.config}: {e}")
+        run.start({**resolved, "world_size": world_size, "device": summary["device"],
+                   "dist_backend": dist_backend, "out": args.out})
+        run.log(f"[{job.backend}] {summary['mode']} mixed_precision={job.mixed_precision} "
+                f"world_size={world_size} device={summary['device']} ({dist_backend})")
+        for note in job.notes + ([f"filled DeepSpeed 'auto': {', '.join(ds_filled)}"] if ds_filled else []):
+            run.log(f"note: {note}")
+
+        t = job.train
+        dtype = torch.bfloat16 if job.mixed_precision == "bf16" else torch.float32
+        model = build_model(spec, dtype=dtype, seed=t.seed)
+        summary["num_params"] = count_params(model)
+        engine = apply_backend(model, job, device)
+        vocab = model.config.vocab_size
+        run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
+                f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
+
+        every = max(1, t.steps // 10)
+        for step in range(t.steps):
+            batches = [
+                synthetic_batch(step, seed=t.seed, rank=rank, world_size=world_size,
+                                micro_batch=t.micro_batch, seq_len=t.seq_len, vocab_size=vocab,
+                                micro_step=m, grad_accum=t.grad_accum).to(device)
+                for m in range(t.grad_accum)
+            ]
+            with Timer(device) as timer:
+                loss, grad_norm = engine.train_step(batches)
+            dist.all_reduce(loss)
+            rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": t.lr,
+                   "step_time_s": timer.seconds,
+                   "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds}
+            records.append(rec)
+            run.step(rec)
+            if step % every == 0 or step == t.steps - 1:
+                run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
+                        f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
+        summary.update(status="completed", steps=len(records),
+                       **summarize_steps(records, t.grad_accum * t.micro_batch * t.seq_len))
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - recorded, then re-raised as exit status 1
+        summary.update(reason=f"{type(e).__name__}: {e}", failed_rank=rank, steps=len(records),
+                       **summarize_steps(records, 1) if records else {})
+        print(f"[rank {rank}] job failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if rank == 0:
+            traceback.print_exc()
+        _finish(run, summary)
+        return 1
+    run.log(f"done: final loss {summary['final_loss']:.4f}, median step {summary['step_time_s'] * 1e3:.1f} ms; "
+            f"wrote {args.out}")
+    _finish(run, summary)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _finish(run, summary: dict) -> None:
+    summary["wall_time_s"] = time.perf_counter() - T0
+    run.finish(summary)  # before teardown: a rare abort in destroy_process_group must not lose it
+
+
+def mode_name(job) -> str:
+    if job.backend == "fsdp":
+        return job.fsdp.sharding
+    return f"ZeRO-{job.deepspeed.zero_stage}"
+
+
+def apply_backend(model, job, device):
+    if job.backend == "fsdp":
+        from .backends.fsdp import apply_fsdp
+
+        return apply_fsdp(model, job, device)
+    from .backends.deepspeed import apply_deepspeed
+
+    return apply_deepspeed(model, job, device)
+
+
+def _quiet_deepspeed(rank: int) -> None:
+    import logging
+
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

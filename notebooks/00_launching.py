@@ -1,0 +1,162 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · Launching a job: one model, two backends, the same numbers
+#
+# **The question.** You have a training job under PyTorch FSDP and want to move it to
+# DeepSpeed ZeRO (or back). Before anything else: can the two backends train *the same
+# model on the same data* and produce *the same losses*? If they can, every difference
+# you see later (memory, speed, checkpoints) is a property of the backend, not noise.
+#
+# **What we run.** Two real distributed jobs, launched with `torchrun` from `%%bash` cells:
+#
+# * FSDP2 `fully_shard`, FULL_SHARD, bf16 compute on fp32 shards (`launch_configs/fsdp/full_shard.yaml`)
+# * DeepSpeed ZeRO-3, bf16 compute with fp32 master weights (`launch_configs/deepspeed/zero3.yaml`)
+#
+# **What we look at.** The run directory each job writes, the two loss curves side by
+# side, and a check that they are equal step for step.
+
+# %%
+import os
+from pathlib import Path
+
+from helpers import nb, plots, results
+
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
+STEPS = 12 if SIZE == "quick" else 40
+GPUS = nb.gpu_count()
+NPROC = GPUS if GPUS else 2  # NCCL needs one GPU per rank; on CPU, 2 gloo ranks
+os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC))
+print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'nccl on ' + str(GPUS) + ' GPU(s)' if GPUS else 'gloo on the CPU'})")
+
+# %% [markdown]
+# ## The configs are Accelerate's own files
+#
+# Both files use the keys `accelerate launch --config_file` reads, so you can take them
+# unchanged to a GPU node. Our jobs read the same keys and call the native
+# `fully_shard` and `deepspeed.initialize` APIs themselves (Accelerate's own FSDP path
+# falls back to no sharding on a CPU, and its DeepSpeed path is skipped there).
+
+# %%
+print(Path("launch_configs/fsdp/full_shard.yaml").read_text())
+
+# %% [markdown]
+# The DeepSpeed YAML points at a JSON file. That is where the settings live that make
+# the pair train identically: **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
+# you say nothing, and Accelerate drops a `0.0` written in the YAML) and bf16 on.
+
+# %%
+print(Path("launch_configs/deepspeed/zero3.yaml").read_text())
+print(Path("launch_configs/deepspeed/zero3.json").read_text())
+
+# %% [markdown]
+# A config is checked before any process starts. `python -m helpers.config` runs the
+# same check on its own, so you can validate an edited file first:
+
+# %% language="bash"
+# python -m helpers.config launch_configs/fsdp/full_shard.yaml --world-size $NPROC
+# python -m helpers.config launch_configs/deepspeed/zero3.yaml --world-size $NPROC
+
+# %% [markdown]
+# ## Launching
+#
+# `torchrun` starts `NPROC` copies of `helpers.train`; each learns its `RANK` and
+# `WORLD_SIZE` from the environment. `--standalone` picks a free local port, so two
+# notebooks can launch at once. With no GPU visible the job uses gloo on the CPU (and
+# tells DeepSpeed `DS_ACCELERATOR=cpu`); with GPUs it uses nccl on CUDA. Nothing in the
+# command changes. Only rank 0 prints.
+
+# %% language="bash"
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
+#     --config launch_configs/fsdp/full_shard.yaml --out notebooks/runs/00_fsdp \
+#     --model tiny --steps $STEPS
+
+# %% language="bash"
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
+#     --config launch_configs/deepspeed/zero3.yaml --out notebooks/runs/00_deepspeed \
+#     --model tiny --steps $STEPS
+
+# %% [markdown]
+# On more than one machine the same command takes `--nnodes`, a `--node_rank` and a
+# rendezvous address instead of `--standalone`; the job code does not change.
+#
+# ## What a run directory holds
+#
+# Everything below is read from the files, never from the printed output.
+
+# %%
+fsdp, ds = results.load_runs("notebooks/runs/00_fsdp", "notebooks/runs/00_deepspeed")
+print(sorted(p.name for p in fsdp.path.iterdir()))
+fsdp.metrics.head()
+
+# %%
+results.summary_table([fsdp, ds])
+
+# %% [markdown]
+# ## The two backends, side by side
+
+# %%
+fig, (left, right) = plots.plt.subplots(1, 2)
+plots.loss_curves([fsdp, ds], ax=left, title="loss per step (the lines overlap)")
+plots.loss_difference(fsdp, ds, ax=right)
+fig.tight_layout()
+
+# %% [markdown]
+# **What it means.** The curves lie on top of each other and the difference is zero at
+# every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
+# (bf16 module, fp32 master partitions) do the same arithmetic. The cell below checks
+# this, so the claim fails loudly if it ever stops being true.
+
+# %%
+assert fsdp.summary["losses"] == ds.summary["losses"], "the backends diverged"
+assert len(fsdp.summary["losses"]) == STEPS
+assert fsdp.summary["final_loss"] < fsdp.summary["losses"][0] - 0.5, "the loss did not go down"
+print("identical losses at all", STEPS, "steps")
+
+# %% [markdown]
+# ## When the config is wrong
+#
+# A typo is refused before any rank starts, with one line naming the file, the key and
+# what was meant. (Under `torchrun` the launcher then adds its own failure report.)
+
+# %%
+Path("notebooks/runs").mkdir(parents=True, exist_ok=True)
+Path("notebooks/runs/typo.yaml").write_text(
+    "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_reshard_after_foward: true\n"
+)
+
+# %% language="bash"
+# python -m helpers.train --config notebooks/runs/typo.yaml --out notebooks/runs/00_typo || echo "exit status $?"
+
+# %% [markdown]
+# ## Recap
+#
+# What this machine measured (pulled from the run directories):
+
+# %%
+for r in (fsdp, ds):
+    s = r.summary
+    print(f"{r.label:28s} loss {s['losses'][0]:.3f} -> {s['final_loss']:.3f}   "
+          f"median step {s['step_time_s'] * 1e3:6.1f} ms   {s['tokens_per_s_per_rank']:7.0f} tokens/s/rank   on {s['device']}")
+
+# %% [markdown]
+# * One entry point (`helpers.train`) served both backends; the launch config decided which.
+# * With the precision settings aligned, FSDP FULL_SHARD and ZeRO-3 produced the same
+#   loss at every step.
+# * The run directory (`config.json`, `metrics.jsonl`, `summary.json`, `log.txt`) is what
+#   every later notebook reads.
+#
+# Next: `01_sharding` — what each rank actually holds under each FSDP strategy and ZeRO stage.

@@ -1,0 +1,47 @@
+"""Shared test helpers: launch real jobs the way the notebooks do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FSDP = "launch_configs/fsdp/full_shard.yaml"
+ZERO3 = "launch_configs/deepspeed/zero3.yaml"
+
+
+def job_env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    return env
+
+
+def run_job(config: str, out: Path, nproc: int = 2, *extra: str, timeout: int = 600):
+    """torchrun (nproc > 0) or plain python (nproc == 0) -m helpers.train; returns CompletedProcess."""
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc else [sys.executable])
+    cmd = [*launcher, "-m", "helpers.train", "--config", config, "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def summary(out: Path) -> dict:
+    return json.loads((Path(out) / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """One 2-rank, 20-step tiny run per backend, shared by the tests that read them."""
+    base = tmp_path_factory.mktemp("pair")
+    outs = {}
+    for name, cfg in (("fsdp", FSDP), ("deepspeed", ZERO3)):
+        proc = run_job(cfg, base / name, 2, "--model", "tiny", "--steps", "20")
+        assert proc.returncode == 0, f"{name} job failed:\n{proc.stderr[-3000:]}"
+        outs[name] = base / name
+    return outs

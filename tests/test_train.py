@@ -1,0 +1,71 @@
+"""Real 2-rank jobs: the run-directory contract and FSDP/DeepSpeed parity."""
+
+import json
+
+from conftest import FSDP, run_job, summary
+
+from helpers.metrics import STEP_KEYS, SUMMARY_KEYS
+from helpers.results import RunError, load_run
+
+
+def test_fsdp_and_zero3_train_bit_identically(tiny_pair):
+    a, b = summary(tiny_pair["fsdp"]), summary(tiny_pair["deepspeed"])
+    assert len(a["losses"]) == len(b["losses"]) == 20
+    assert a["losses"] == b["losses"]  # exact float equality, every step
+
+
+def test_loss_goes_down(tiny_pair):
+    for out in tiny_pair.values():
+        losses = summary(out)["losses"]
+        assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_run_directory_contract(tiny_pair):
+    for backend, out in tiny_pair.items():
+        s = summary(out)
+        assert s["status"] == "completed" and s["backend"] == backend
+        assert set(s) == set(SUMMARY_KEYS)
+        assert s["world_size"] == 2 and s["dist_backend"] == "gloo" and s["device"] == "cpu"
+        assert 400_000 < s["num_params"] < 800_000
+        assert s["versions"]["torch"].startswith("2.13.0")
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(20))
+        assert all(set(r) == set(STEP_KEYS) for r in rows)
+        assert [r["loss"] for r in rows] == s["losses"]
+        assert s["step_time_s"] > 0 and s["tokens_per_s_per_rank"] > 0
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["backend"] == backend and cfg["world_size"] == 2
+        assert "step" in (out / "log.txt").read_text()
+        assert load_run(out).summary == s
+
+
+def test_deepspeed_config_autos_are_filled(tiny_pair):
+    ds = json.loads((tiny_pair["deepspeed"] / "config.json").read_text())["deepspeed"]["json"]
+    assert ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["train_batch_size"] == 16 and ds["gradient_accumulation_steps"] == 1
+    assert ds["gradient_clipping"] == 0.0 and ds["bf16"]["enabled"] is True
+
+
+def test_single_process_without_torchrun(tmp_path):
+    proc = run_job(FSDP, tmp_path / "one", 0, "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(tmp_path / "one")
+    assert s["world_size"] == 1 and s["steps"] == 3 and s["status"] == "completed"
+
+
+def test_failing_job_says_failed_and_plots_refuse_it(tmp_path):
+    # GPT-2 with 16 positions cannot take 64-token sequences: fails in the first forward
+    cfg = tmp_path / "gpt2.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2,
+                               "n_positions": 16, "vocab_size": 100}))
+    out = tmp_path / "bad"
+    proc = run_job(FSDP, out, 0, "--model", str(cfg), "--steps", "2")
+    assert proc.returncode == 1
+    s = summary(out)
+    assert s["status"] == "failed" and s["failed_rank"] == 0 and s["reason"]
+    try:
+        load_run(out)
+    except RunError as e:
+        assert str(out) in str(e) and "failed" in str(e)
+    else:
+        raise AssertionError("load_run accepted a failed run")

@@ -43,7 +43,7 @@ class TrainOptions:
 
     model: str = "tiny"  # preset name, config.json path or pretrained directory
     steps: int = 20  # optimizer steps
-    lr: float = 1e-3  # AdamW learning rate (constant)
+    lr: float = 3e-3  # AdamW learning rate (constant)
     seed: int = 0  # model init and data
     micro_batch: int = 8  # sequences per rank per forward
     seq_len: int = 64  # tokens per sequence

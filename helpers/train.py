@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     except (ConfigError, ModelSpecError) as e:
         fail_config(rank, str(e))
 
+    if rank != 0:  # only rank 0 prints; errors still reach stderr
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed warns per gloo collective
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     import torch

@@ -268,7 +268,8 @@ def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPO
     o.sharding = strategy or "FULL_SHARD"
     o.reshard_after_forward = o.sharding in ("FULL_SHARD", "HYBRID_SHARD")
     if version == 1:
-        notes.append("fsdp_version 1 keys are run with FSDP2 (fully_shard), as Accelerate maps them")
+        notes.append("fsdp_version 1: this guide runs these keys with FSDP2 (fully_shard); "
+                     "accelerate launch would use FSDP1")
     for key, attr in [
         ("fsdp_offload_params", "offload_params"), ("fsdp_state_dict_type", "state_dict_type"),
         ("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"),
@@ -423,6 +424,12 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
         ds, mp, notes = _deepspeed_options(c, raw)
         job = JobConfig(path, "deepspeed", mp, train, deepspeed=ds, notes=notes)
         _merge_ds_training(c, job, overrides or {})
+        hpz = ds.json.get("zero_optimization", {}).get("zero_hpz_partition_size", 1)
+        if not isinstance(hpz, int) or hpz < 1:
+            c.fail(f"zero_optimization.zero_hpz_partition_size = {hpz!r}: expected an integer >= 1")
+        if hpz > 1 and world_size is not None and (world_size % hpz or hpz == world_size):
+            c.fail(f"zero_optimization.zero_hpz_partition_size = {hpz}: must divide the world size "
+                   f"({world_size}) into 2 or more groups (hpZ needs {2 * hpz} ranks here)")
     if world_size is not None and world_size < 1:
         c.fail(f"world size {world_size}: must be >= 1")
     return job

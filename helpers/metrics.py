@@ -53,6 +53,13 @@ SUMMARY_KEYS = {
     "step_time_s": "median step time, first step (warm-up) excluded when there are more",
     "tokens_per_s_per_rank": "tokens per second per rank at the median step time",
     "wall_time_s": "seconds from process start to the summary",
+    "mode_key": "key of the sharding mode in helpers.mapping.MODES (e.g. full_shard, zero3)",
+    "memory_bytes": "per rank (list): bytes of params, grads, optimizer_states, master_params held "
+                    "after backward, before the optimizer step of step 1 (helpers.memory)",
+    "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.mapping)",
+    "peak_memory_bytes": "per rank (list): peak memory over the job (see peak_memory_source)",
+    "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",
+    "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence",
     "device": '"cpu" or the GPU name',
     "dist_backend": '"gloo" or "nccl"',
     "versions": "torch, deepspeed, transformers versions",

@@ -104,6 +104,7 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
+    from .memory import PeakMemory, StepProbe
     from .metrics import RunDir, Timer, summarize_steps
     from .models import build_model, count_params, synthetic_batch
 
@@ -146,7 +147,10 @@ def main(argv=None) -> int:
         dtype = torch.bfloat16 if job.mixed_precision == "bf16" else torch.float32
         model = build_model(spec, dtype=dtype, seed=t.seed)
         summary["num_params"] = count_params(model)
+        peak = PeakMemory(device)
+        model.register_forward_hook(peak.sample)  # activations are all alive at the end of forward
         engine = apply_backend(model, job, device)
+        probe_step, probe = min(1, t.steps - 1), StepProbe(model)  # step 1: Adam's states exist
         vocab = model.config.vocab_size
         run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
                 f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
@@ -160,7 +164,10 @@ def main(argv=None) -> int:
                 for m in range(t.grad_accum)
             ]
             with Timer(device) as timer:
-                loss, grad_norm = engine.train_step(batches)
+                loss, grad_norm = engine.train_step(batches, probe if step == probe_step else None)
+            peak.sample()
+            if step == probe_step:
+                summary.update(memory_summary(job, probe, peak, summary["num_params"], t.micro_batch))
             dist.all_reduce(loss)
             rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": t.lr,
                    "step_time_s": timer.seconds,
@@ -170,6 +177,7 @@ def main(argv=None) -> int:
             if step % every == 0 or step == t.steps - 1:
                 run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
                         f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
+        summary["peak_memory_bytes"] = gather(peak.peak)
         summary.update(status="completed", steps=len(records),
                        **summarize_steps(records, t.grad_accum * t.micro_batch * t.seq_len))
     except SystemExit:
@@ -193,6 +201,43 @@ def main(argv=None) -> int:
 def _finish(run, summary: dict) -> None:
     summary["wall_time_s"] = time.perf_counter() - T0
     run.finish(summary)  # before teardown: a rare abort in destroy_process_group must not lose it
+
+
+def gather(obj) -> list:
+    """One value per rank, in rank order (every rank calls this)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
+    """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
+    import torch.distributed as dist
+
+    from .mapping import MODES, mode_key, theory_bytes
+
+    key = mode_key(job)
+    shard_group = secondary = None
+    grad_bytes = None
+    if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):
+        shard_group = job.fsdp.hybrid_shard_size
+    if job.backend == "deepspeed":
+        js = job.deepspeed.json
+        hpz = int(js.get("zero_optimization", {}).get("zero_hpz_partition_size", 1))
+        secondary = hpz if hpz > 1 else None
+        if js.get("data_types", {}).get("grad_accum_dtype") == "fp32":
+            grad_bytes = 4
+    theory = theory_bytes(MODES[key], num_params, dist.get_world_size(), job.mixed_precision,
+                          shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes)
+    return {
+        "mode_key": key,
+        "memory_bytes": gather(probe.state),
+        "memory_theory_bytes": theory,
+        "peak_memory_source": peak.source,
+        "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
+    }
 
 
 def mode_name(job) -> str:

@@ -14,6 +14,7 @@ dtype the model was loaded in.
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -72,11 +73,15 @@ class DeepSpeedEngine:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def train_step(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    def train_step(self, batches: list[torch.Tensor], probe=None) -> tuple[torch.Tensor, float]:
+        """Forward/backward every micro-batch, then one optimizer step. ``probe``: see helpers.memory."""
         total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
-        for ids in batches:
-            loss = self.engine(input_ids=ids, labels=ids).loss
+        for i, ids in enumerate(batches):
+            with probe.forward(i) if probe else nullcontext():
+                loss = self.engine(input_ids=ids, labels=ids).loss
             self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps
+            if probe and i == len(batches) - 1:
+                probe.after_backward(self)  # gradients reduced, optimizer not yet stepped
             self.engine.step()  # steps the optimizer on the last micro-batch only
             total += loss.detach().float()
         norm = self.engine.get_global_grad_norm()

@@ -14,6 +14,8 @@ end (the memory-constrained mode).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -77,15 +79,19 @@ class FSDPEngine:
     def module(self) -> torch.nn.Module:
         return self.model
 
-    def train_step(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
+    def train_step(self, batches: list[torch.Tensor], probe=None) -> tuple[torch.Tensor, float]:
+        """Forward/backward every micro-batch, then one optimizer step. ``probe``: see helpers.memory."""
         n = len(batches)
         total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
         for i, ids in enumerate(batches):
             # gradients are reduce-scattered only after the last micro-batch
             self.model.set_requires_gradient_sync(i == n - 1)
-            loss = self.model(input_ids=ids, labels=ids).loss
+            with probe.forward(i) if probe else nullcontext():
+                loss = self.model(input_ids=ids, labels=ids).loss
             (loss / n).backward()
             total += loss.detach().float()
+        if probe:
+            probe.after_backward(self)
         norm = self._grad_norm()
         if self.grad_clip > 0:
             self._clip(norm)

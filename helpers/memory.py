@@ -1,0 +1,160 @@
+"""What each rank really holds, read from the live tensors of either backend.
+
+``state_bytes(engine)`` is called after the backward pass and before the
+optimizer step of the second step (so Adam's lazily created states exist).
+It returns, per rank, the bytes of
+
+``params``            the stored parameters: FSDP's local shards (``p.to_local()``),
+                      DeepSpeed's bf16 flat buffer (ZeRO-0/1/2), or its partitions
+                      ``p.ds_tensor`` plus the small "persistent" params ZeRO-3 keeps
+                      whole, plus the hpZ secondary shard ``p.ds_secondary_tensor``;
+``grads``             the gradients kept for the optimizer step (FSDP's local grad
+                      shards; DeepSpeed's reduced gradient partitions or full grads);
+``optimizer_states``  every tensor in the optimizer's state (Adam's exp_avg and
+                      exp_avg_sq, and the step counters);
+``master_params``     a separate fp32 copy of the params for the optimizer: DeepSpeed's
+                      fp32 partitions under bf16; 0 for FSDP, whose fp32 shard is
+                      itself what the optimizer updates.
+
+Tensors are counted by their underlying storage, once: views into one flat
+buffer (DeepSpeed) count as that buffer, padding included.
+
+Also here: peak anonymous memory of the process (``RssAnon`` sampled at each
+phase; plain RSS would also count memory-mapped files) or, on GPU,
+``torch.cuda.max_memory_allocated``; and activation bytes saved for backward.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .mapping import CATEGORIES
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _fsdp_tensors(engine) -> dict[str, list]:
+    params = [p for p in engine.model.parameters()]
+    return {
+        "params": params,
+        "grads": [p.grad for p in params if p.grad is not None],
+        "optimizer_states": [v for s in engine.optimizer.state.values() for v in s.values()],
+        "master_params": [],
+    }
+
+
+def _ds_tensors(engine) -> dict[str, list]:
+    zopt = engine.engine.optimizer
+    module_params = list(engine.module.parameters())
+    inner = getattr(zopt, "optimizer", zopt)
+    states = [v for s in inner.state.values() for v in s.values()]
+    name = type(zopt).__name__
+    if name == "DeepSpeedZeroOptimizer_Stage3":
+        params = [p.ds_tensor for p in module_params] + [p.data for p in module_params]
+        params += [p.ds_secondary_tensor for p in module_params if getattr(p, "ds_secondary_tensor", None) is not None]
+        return {"params": params, "grads": [zopt.grad_partitions_flat_buffer],
+                "optimizer_states": states, "master_params": list(zopt.fp32_partitioned_groups_flat)}
+    if name == "DeepSpeedZeroOptimizer":  # stages 1 and 2
+        grads = [g for gs in zopt.averaged_gradients.values() for g in (gs or [])]
+        return {"params": list(zopt.bit16_groups_flat), "grads": grads, "optimizer_states": states,
+                "master_params": list(zopt.single_partition_of_fp32_groups)}
+    if hasattr(zopt, "fp32_groups"):  # ZeRO-0 with bf16: full fp32 master next to the bf16 module
+        return {"params": module_params, "grads": [p.grad for p in module_params if p.grad is not None],
+                "optimizer_states": states, "master_params": [p for g in zopt.fp32_groups for p in g]}
+    return {"params": module_params, "grads": [p.grad for p in module_params if p.grad is not None],
+            "optimizer_states": states, "master_params": []}
+
+
+def state_bytes(engine) -> dict[str, int]:
+    """Bytes per category on this rank, each storage counted once (see module doc)."""
+    groups = _fsdp_tensors(engine) if engine.backend == "fsdp" else _ds_tensors(engine)
+    seen: set[int] = set()
+    out = dict.fromkeys(CATEGORIES, 0)
+    for cat in CATEGORIES:
+        for t in groups[cat]:
+            if not torch.is_tensor(t):
+                continue
+            t = _local(t)
+            if t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            out[cat] += storage.nbytes()
+    return out
+
+
+def rss_anon_bytes() -> int:
+    """Anonymous resident memory of this process (heap, tensors), from /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Peak memory over the job: max_memory_allocated on GPU, else RssAnon sampled at each phase."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+        self.source = "cuda.max_memory_allocated" if device.type == "cuda" else "RssAnon (sampled per phase)"
+
+    def sample(self, *_args) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = max(self.peak, rss_anon_bytes())
+
+
+class SavedActivations:
+    """Bytes autograd keeps for backward after one forward, parameters excluded.
+
+    Saved tensors are collected during the forward; at its end, storages that
+    are freed (FSDP reshards gathered params) or belong to a parameter (weights
+    saved by matmuls) are dropped, and the rest summed once per storage.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.bytes, self._saved = model, 0, []
+
+    def _pack(self, t):
+        self._saved.append(t)  # addresses are compared at the end: a freed one may be reused meanwhile
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        seen = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        self.bytes = 0
+        for t in self._saved:
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                self.bytes += storage.nbytes()
+        self._saved.clear()
+        return False
+
+
+class StepProbe:
+    """Measures one training step: activations of its first forward, state after its last backward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.activations = SavedActivations(model)
+        self.state: dict[str, int] | None = None
+
+    def forward(self, micro_step: int):
+        return self.activations if micro_step == 0 else nullcontext()
+
+    def after_backward(self, engine) -> None:
+        self.state = state_bytes(engine)
+

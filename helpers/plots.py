@@ -57,3 +57,52 @@ def step_times(runs: list[Run], ax=None):
     ax.set(xlabel="step", ylabel="ms", title="step time")
     ax.legend()
     return ax
+
+
+CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer_states": "#c44e52",
+                   "master_params": "#8172b2"}
+
+
+def memory_bars(table, world_size: int, axes=None, rank: int = 0, unit: float = 2**20):
+    """Stacked per-rank bytes by category, FSDP modes left, DeepSpeed right, theory as a black tick."""
+    import numpy as np
+
+    from .mapping import CATEGORIES, MODES
+
+    if axes is None:
+        _, axes = plt.subplots(1, 2, sharey=True)
+    sub = table[(table.world_size == world_size) & (table["rank"] == rank)]
+    for ax, backend in zip(axes, ("fsdp", "deepspeed"), strict=True):
+        modes = [k for k, m in MODES.items() if m.backend == backend and k in set(sub["mode"])]
+        x, bottom = np.arange(len(modes)), np.zeros(len(modes))
+        for cat in CATEGORIES:
+            vals = np.array([sub[(sub["mode"] == m) & (sub.category == cat)].measured.sum() / unit
+                             for m in modes])
+            ax.bar(x, vals, bottom=bottom, color=CATEGORY_COLORS[cat], label=cat, width=0.6)
+            bottom += vals
+        theory = [sub[sub["mode"] == m].theory.sum() / unit for m in modes]
+        ax.scatter(x, theory, marker="_", s=900, color="black", zorder=3, label="ZeRO model")
+        ax.set_xticks(x, modes, rotation=20)
+        ax.set_title(f"{backend}: bytes held by rank {rank} of {world_size}")
+    axes[0].set_ylabel("MiB per rank")
+    axes[1].legend(loc="upper right", fontsize=8)
+    return axes
+
+
+def memory_vs_world(table, modes, ax=None, unit: float = 2**20):
+    """Per-rank total state vs number of ranks, measured (solid) and theory (dashed)."""
+    ax = ax or plt.subplots()[1]
+    for mode in modes:
+        sub = table[(table["mode"] == mode) & (table["rank"] == 0)]
+        g = sub.groupby("world_size")[["measured", "theory"]].sum().sort_index() / unit
+        backend = sub.backend.iloc[0]
+        # FSDP drawn wide and pale under DeepSpeed: where they hold the same, both stay visible
+        style = (dict(color=COLORS[backend], marker="o", lw=5, ms=9, alpha=0.45) if backend == "fsdp"
+                 else dict(color=COLORS[backend], marker="s", lw=1.5, ms=4))
+        line = "-" if mode in ("full_shard", "zero3") else ":"
+        ax.plot(g.index, g.measured, ls=line, label=f"{mode} (measured)", **style)
+        ax.plot(g.index, g.theory, ls="--", lw=0.8, color="gray")
+    ax.set(xlabel="ranks", ylabel="MiB per rank", title="per-rank state vs ranks (gray dashes: ZeRO model)")
+    ax.set_xticks(sorted(set(table.world_size)))
+    ax.legend(fontsize=8)
+    return ax

@@ -68,3 +68,16 @@ def loss_table(runs: list[Run]) -> pd.DataFrame:
 def summary_table(runs: list[Run], keys=("backend", "mode", "world_size", "num_params", "final_loss",
                                           "step_time_s", "tokens_per_s_per_rank")) -> pd.DataFrame:
     return pd.DataFrame([{k: r.summary.get(k) for k in keys} for r in runs], index=[r.name for r in runs])
+
+
+def memory_table(runs: list[Run]) -> pd.DataFrame:
+    """Long table: one row per (run, rank, category) with measured and theory bytes."""
+    rows = []
+    for r in runs:
+        s = r.summary
+        for rank, measured in enumerate(s["memory_bytes"]):
+            for cat, value in measured.items():
+                rows.append({"run": r.name, "backend": s["backend"], "mode": s["mode_key"],
+                             "world_size": s["world_size"], "rank": rank, "category": cat,
+                             "measured": value, "theory": s["memory_theory_bytes"][cat]})
+    return pd.DataFrame(rows)

@@ -1,0 +1,264 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Sharding: what each rank really holds
+#
+# **The question.** Which FSDP setting is which ZeRO stage, and what does each one save
+# per rank? Docs answer with a table; here we answer with the bytes that live jobs hold.
+#
+# **What we run.** Every sharding mode of both backends — FSDP `NO_SHARD`,
+# `SHARD_GRAD_OP`, `FULL_SHARD`, `HYBRID_SHARD`; DeepSpeed ZeRO-0, 1, 2, 3 and ZeRO++
+# hpZ — on one model (`small`, 21M parameters), at 1, 2 and 4 ranks. Each job counts,
+# on every rank, the bytes of the parameters, gradients, optimizer states and fp32
+# master weights it holds right before its optimizer step, straight from the live
+# tensors (`helpers.memory`), and writes them next to what the ZeRO model predicts.
+#
+# **What we look at.** Measured bytes per rank next to the theory, how they fall with
+# the number of ranks, and where the two backends keep different things.
+
+# %%
+import os
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from helpers import mapping, models, nb, plots, results
+
+SIZE = nb.setup()
+# quick (CI): every mode at 2 ranks, the fully sharded pair also at 1 and 4, hybrids at 4
+FULL_SWEEP = SIZE == "full"
+JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory needs no long run
+os.environ["JOB"] = JOB
+print(f"size={SIZE}")
+
+# %% [markdown]
+# ## The mapping, as data
+#
+# The table below is rendered from `helpers.mapping.MODES` — the same data the jobs
+# use for their theory numbers and that later drives config translation.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+pd.DataFrame(mapping.mapping_rows()).set_index("mode")
+
+# %% [markdown]
+# The memory model (ZeRO paper) for Adam in bf16 mixed precision: per parameter, **2**
+# bytes of bf16 weights + **2** of bf16 gradients + **12** of optimizer state (an fp32
+# master copy, and fp32 momentum and variance) = 16 bytes. Each stage divides more of it
+# by the number of ranks.
+#
+# ## Run every mode
+#
+# The plan: which config at how many ranks. Hybrid modes need 4 ranks (2 replicas x 2
+# shards); with fewer they are refused before they start.
+
+# %%
+plan = []
+for key, mode in mapping.MODES.items():
+    sizes = [1, 2, 4] if FULL_SWEEP or key in ("full_shard", "zero3") else [2]
+    for ws in sizes:
+        if ws >= mode.min_world_size:
+            plan.append((ws, mode.config, f"notebooks/runs/01_{key}_{ws}"))
+Path("notebooks/runs").mkdir(parents=True, exist_ok=True)
+Path("notebooks/runs/01_plan.txt").write_text("".join(f"{ws} {cfg} {out}\n" for ws, cfg, out in plan))
+print(f"{len(plan)} jobs")
+
+# %% [markdown]
+# Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a
+# 2-core machine they share cores: slow, but the bytes are the same as on 4 GPUs.
+
+# %% language="bash"
+# set -o pipefail
+# while read ws cfg out; do
+#     printf '%d ranks  %-42s ' "$ws" "$cfg"
+#     torchrun --standalone --nproc_per_node "$ws" -m helpers.train --config "$cfg" --out "$out" $JOB | tail -n 1
+# done < notebooks/runs/01_plan.txt
+
+# %%
+runs = results.load_runs(*[out for _, _, out in plan])
+mem = results.memory_table(runs)
+mem.head()
+
+# %% [markdown]
+# ## Measured bytes per rank, next to the theory
+#
+# Stacked bars: what rank 0 holds, by category. The black tick is the ZeRO model's total.
+
+# %%
+fig, axes = plots.plt.subplots(2, 2, sharey=True, figsize=(11, 7.5))
+for row, ws in zip(axes, (2, 4)):
+    plots.memory_bars(mem, world_size=ws, axes=row)
+fig.tight_layout()
+
+# %% [markdown]
+# The bars meet their ticks. The check: each category, on each rank, of each run, within
+# 5% of the model (padding of uneven shards is the only difference) — with one exception
+# the measurement found, checked separately below.
+
+# %%
+mem["ratio"] = mem.measured / mem.theory.where(mem.theory > 0)
+boundary = mem["mode"].isin(["zero1", "zero2"]) & (mem.category == "grads")
+off = mem[~boundary & (((mem.theory == 0) & (mem.measured != 0)) | ((mem.ratio - 1).abs() > 0.05))]
+assert off.empty, off
+print(f"{(~boundary).sum()} (run, rank, category) values within 5% of the ZeRO model; "
+      f"largest deviation {(mem.ratio[~boundary] - 1).abs().max():.2%}")
+
+# %% [markdown]
+# **The exception: ZeRO-1/2 gradients.** DeepSpeed's stage-1/2 optimizer gives each rank a
+# contiguous slice of one flat buffer of all parameters. A parameter that straddles a
+# slice boundary belongs to two ranks, and each of them keeps that parameter's *whole*
+# gradient until the step. So a rank holds its 1/N of the gradients plus the rest of at
+# most two boundary parameters — more when parameters are few and large (our embedding
+# is a fifth of the model). ZeRO-3 partitions each parameter separately and has no such
+# overhang.
+
+# %%
+with torch.device("meta"):  # shapes only, no memory
+    model = models.build_model(models.resolve_model("small"), torch.bfloat16, seed=0, device="meta")
+largest_two = 2 * 2 * max(p.numel() for p in model.parameters())  # two boundary params, bf16 grads
+over = mem[boundary].assign(excess=lambda d: d.measured - d.theory)
+assert (over.excess >= 0).all() and (over.excess <= largest_two).all(), over
+print(over.groupby(["mode", "world_size"]).ratio.max().round(3).to_string())
+
+# %% [markdown]
+# ## More ranks, less per rank — for the sharded parts
+#
+# The fully sharded modes (`full_shard`, `zero3`) divide everything by the number of
+# ranks; ZeRO-2 keeps whole parameters; `no_shard`/ZeRO-0 divide nothing.
+
+# %%
+sweep_modes = [m for m in ("no_shard", "full_shard", "zero0", "zero2", "zero3")
+               if mem[mem["mode"] == m].world_size.nunique() > 1]
+plots.memory_vs_world(mem, sweep_modes);
+
+# %%
+totals = mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum()
+for m in ("full_shard", "zero3"):
+    quarter = totals[m, 4] / totals[m, 1]
+    assert 0.24 <= quarter <= 0.26, (m, quarter)
+    print(f"{m}: 4 ranks hold {quarter:.3f} of what 1 rank holds")
+
+# %% [markdown]
+# ## Same total, different split: FSDP and DeepSpeed do not keep the same things
+#
+# At the same world size FULL_SHARD and ZeRO-3 hold the same 16 bytes per parameter in
+# total, split differently:
+#
+# * **FSDP** (aligned mixed precision, as Accelerate sets it up) upcasts the model to
+#   fp32 and shards *that*. The fp32 shard is what the optimizer updates, so there is no
+#   separate master copy; the bf16 weights exist only while a unit is gathered.
+# * **DeepSpeed** keeps the model in bf16 and shards the bf16 weights and gradients, and
+#   keeps a separate **fp32 master** partition for the optimizer.
+#
+# Both pay the upcast (the seeds' "up to 2x" for parameters): FSDP in its params, DeepSpeed
+# in its master copy. At rest the totals are equal.
+
+# %%
+ws = 2
+pair = mem[(mem.world_size == ws) & (mem["rank"] == 0) & mem["mode"].isin(["full_shard", "zero3"])]
+split = pair.pivot_table(index="category", columns="mode", values="measured") / 2**20
+split.loc["total"] = split.sum()
+split.round(1)
+
+# %%
+assert abs(split.loc["total", "full_shard"] / split.loc["total", "zero3"] - 1) < 0.01
+assert split.loc["master_params", "full_shard"] == 0 and split.loc["master_params", "zero3"] > 0
+assert abs(split.loc["params", "full_shard"] / split.loc["params", "zero3"] - 2) < 0.01  # fp32 vs bf16
+print("same total; FSDP's fp32 shard is its master, DeepSpeed keeps bf16 shards + an fp32 master")
+
+# %% [markdown]
+# Two more differences the bars show:
+#
+# * **ZeRO-1 vs ZeRO-2.** DeepSpeed's ZeRO-1 reduces gradients into per-rank partitions at
+#   the step, so just before the step it holds the same as ZeRO-2. What ZeRO-1 does not
+#   save is the *full* gradient during backward (and across accumulation micro-batches);
+#   ZeRO-2 reduces bucket by bucket as backward runs.
+# * **SHARD_GRAD_OP vs FULL_SHARD.** Identical at rest. The difference is in between:
+#   SHARD_GRAD_OP keeps each unit's gathered weights from forward until its backward
+#   (no second all-gather), FULL_SHARD frees them and gathers again. That is transient
+#   memory, not state, and the prefetch notebook measures it.
+#
+# The identity from notebook 00 holds at every world size we ran:
+
+# %%
+for ws in sorted(set(mem.world_size)):
+    names = {r.summary["mode_key"]: r for r in runs if r.summary["world_size"] == ws}
+    if {"full_shard", "zero3"} <= set(names):
+        assert names["full_shard"].summary["losses"] == names["zero3"].summary["losses"], ws
+        print(f"{ws} rank(s): FSDP full_shard and ZeRO-3 losses identical")
+
+# %% [markdown]
+# ## What it buys: the largest micro-batch in a memory budget
+#
+# The seeds report DDP fitting batch 8 and ZeRO-2 batch 40 on 24 GB cards. The same
+# question, for our model: per rank, the state above plus activations per sequence must
+# fit the budget. Activations per sequence are measured too (bytes autograd saves for
+# backward in one forward, `activation_bytes_per_sample`). On this CPU we **compute** the
+# answer from those measurements; on a GPU you would also find it by trying until OOM.
+
+# %%
+BUDGET = 512 * 2**20  # bytes per rank; try your own card's size
+ws = 2
+rows = []
+for key in ("no_shard", "zero0", "zero2", "zero3", "full_shard"):
+    r = next(r for r in runs if r.summary["mode_key"] == key and r.summary["world_size"] == ws)
+    state = max(sum(m.values()) for m in r.summary["memory_bytes"])
+    act = r.summary["activation_bytes_per_sample"]
+    rows.append({"mode": key, "state MiB": state / 2**20, "activations MiB/seq": act / 2**20,
+                 "max micro-batch": int((BUDGET - state) // act) if BUDGET > state else 0})
+fit = pd.DataFrame(rows).set_index("mode").round(2)
+fit
+
+# %%
+assert fit.loc["zero3", "max micro-batch"] > fit.loc["zero2", "max micro-batch"] > fit.loc["zero0", "max micro-batch"]
+print(f"at {ws} ranks and {BUDGET / 2**20:.0f} MiB: ZeRO-3 fits {fit.loc['zero3', 'max micro-batch']} sequences, "
+      f"ZeRO-0 (DDP-like) {fit.loc['zero0', 'max micro-batch']}")
+
+# %% [markdown]
+# ## The whole process, not just the state
+#
+# `peak_memory_bytes` is the process's peak anonymous memory (`RssAnon`, sampled after
+# each forward, backward and step; on a GPU, `torch.cuda.max_memory_allocated`). On a
+# CPU it is dominated by what every torch process holds (libraries, allocator caches):
+# the state of a 21M-parameter model is a small part of it, which is why the state is
+# counted tensor by tensor above.
+
+# %%
+peaks = pd.DataFrame([{"mode": r.summary["mode_key"], "ranks": r.summary["world_size"],
+                       "peak MiB (max over ranks)": max(r.summary["peak_memory_bytes"]) / 2**20,
+                       "state MiB (rank 0)": sum(r.summary["memory_bytes"][0].values()) / 2**20}
+                      for r in runs if r.summary["world_size"] == 2]).set_index("mode").round(0)
+peaks
+
+# %% [markdown]
+# ## Recap
+#
+# Measured on this machine, per rank, before the optimizer step (MiB):
+
+# %%
+recap = (mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum() / 2**20).unstack().round(1)
+recap
+
+# %% [markdown]
+# * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3,
+#   `HYBRID_SHARD` ~ ZeRO++ hpZ; ZeRO-1 has no FSDP twin.
+# * Every measured category was within 5% of the ZeRO model, on every rank.
+# * Fully sharded state at 4 ranks is a quarter of 1 rank's.
+# * FSDP (aligned) and DeepSpeed hold the same total but split it differently: fp32
+#   shards vs bf16 shards + fp32 master.
+#
+# Next: `02_precision` — why that split made the seeds' FSDP run stall.

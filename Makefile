@@ -44,11 +44,14 @@ test-unit: setup
 test-notebooks: setup
 	GUIDE_SIZE=quick $(PY) -m pytest -q --nbval-lax notebooks/ -p no:cacheprovider
 
-# .py (percent format) is the source: rebuild each .ipynb from it and execute it for outputs
+# .py (percent format) is the source: rebuild each .ipynb from it and execute it for outputs,
+# then write the .py back in jupytext's canonical form (bash cells commented) so ruff can read it
 notebooks: setup
 	@for f in $(NB_PY); do \
 		echo "== $$f"; \
 		$(VENV)/bin/jupytext --to ipynb --set-kernel python3 --execute "$$f" || exit 1; \
+		$(VENV)/bin/jupytext --quiet --to py:percent "$${f%.py}.ipynb"; \
+		touch "$${f%.py}.ipynb"; \
 	done
 
 lint: setup

@@ -68,9 +68,16 @@ def _loopback_gloo() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", names[0])
 
 
-def fail_config(rank: int, msg: str) -> None:
-    if rank == 0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+def fail_config(rank: int, msg: str, grace_s: float = 15.0) -> None:
+    """Exit 2 with one ``error:`` line, from rank 0 only.
+
+    Every rank checks the same input, so the other ranks wait for rank 0 to fail too (torchrun then
+    stops them): exiting first would let torchrun stop rank 0 before it printed. A rank still alive
+    after ``grace_s`` (rank 0 did not see the problem, e.g. a file missing on this node only) says it.
+    """
+    if rank != 0:
+        time.sleep(grace_s)
+    print(f"error: {msg}" if rank == 0 else f"error: rank {rank}: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 

@@ -12,8 +12,9 @@ A job started with ``--out DIR`` writes, from rank 0 only:
 ``DIR/summary.json``
     Written atomically (temp file + rename) when the job ends, keys in
     ``SUMMARY_KEYS``. A job that fails writes ``"status": "failed"`` and the
-    reason; a job that is killed writes nothing, so a directory without a
-    summary is an incomplete run, never a completed one.
+    reason (also when stopped by SIGTERM or --timeout); a job whose rank 0 is
+    killed outright (SIGKILL) writes nothing, so a directory without a summary
+    is an incomplete run, never a completed one.
 ``DIR/error_rank{r}.txt``
     Written by rank ``r`` (any rank) when it fails, times out or is stopped:
     reason, step, where, traceback. Rank 0 reads them to name the failed rank.

@@ -50,6 +50,7 @@ class TrainOptions:
     grad_accum: int = 1  # micro-batches per optimizer step
     grad_clip: float = 0.0  # max global grad norm; 0 = no clipping
     weight_decay: float = 0.0  # AdamW weight decay
+    timeout: float = 600.0  # seconds without a finished step (start-up included) before the job is stopped
 
 
 @dataclass
@@ -438,7 +439,7 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
 def _train_options(c: _Checker, overrides: dict) -> TrainOptions:
     t = TrainOptions()
     rules = {"model": str, "steps": int, "lr": float, "seed": int, "micro_batch": int,
-             "seq_len": int, "grad_accum": int, "grad_clip": float, "weight_decay": float}
+             "seq_len": int, "grad_accum": int, "grad_clip": float, "weight_decay": float, "timeout": float}
     for k, v in overrides.items():
         if v is None:
             continue
@@ -451,6 +452,8 @@ def _train_options(c: _Checker, overrides: dict) -> TrainOptions:
     for k in ("lr", "grad_clip", "weight_decay"):
         if getattr(t, k) < 0:
             c.fail(f"--{k.replace('_', '-')} = {getattr(t, k)}: must be >= 0")
+    if not 0 < t.timeout < float("inf"):
+        c.fail(f"--timeout = {t.timeout}: must be a number of seconds > 0 (default 600)")
     if t.seq_len < 2:
         c.fail(f"--seq-len = {t.seq_len}: must be >= 2 (a causal LM predicts the next token)")
     return t

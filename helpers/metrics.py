@@ -12,8 +12,15 @@ A job started with ``--out DIR`` writes, from rank 0 only:
 ``DIR/summary.json``
     Written atomically (temp file + rename) when the job ends, keys in
     ``SUMMARY_KEYS``. A job that fails writes ``"status": "failed"`` and the
-    reason; a job that is killed writes nothing, so a directory without a
-    summary is an incomplete run, never a completed one.
+    reason (also when stopped by SIGTERM or --timeout); a job whose rank 0 is
+    killed outright (SIGKILL) writes nothing, so a directory without a summary
+    is an incomplete run, never a completed one.
+``DIR/error_rank{r}.txt``
+    Written by rank ``r`` (any rank) when it fails, times out or is stopped:
+    reason, step, where, traceback. Rank 0 reads them to name the failed rank.
+``DIR/.lock``
+    Held (``flock``) by rank 0 while the job runs, so a second job cannot
+    write the same directory (see helpers.guard).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ STEP_KEYS = {
 SUMMARY_KEYS = {
     "status": '"completed" or "failed"',
     "reason": "why a failed run failed (null when completed)",
-    "failed_rank": "rank that reported the failure (null when completed)",
+    "failed_rank": "rank whose failure ended the job (null when completed, and when no one rank is "
+                   "known to be at fault: a timeout, a stop signal)",
     "backend": '"fsdp" or "deepspeed"',
     "config": "path of the launch config",
     "mode": "sharding mode, e.g. FULL_SHARD or ZeRO-3",
@@ -86,13 +94,17 @@ class RunDir:
         if not self.active:
             return
         p = self.path
-        if p.exists() and any(p.iterdir()):
+        # the job's lock and the other ranks' error reports stay (helpers.guard)
+        old = [c for c in p.iterdir() if c.name != ".lock" and not c.name.startswith("error_rank")] \
+            if p.is_dir() else []
+        if old:
             if not (p / "config.json").exists():
                 raise FileExistsError(
                     f"--out {p}: directory exists, is not empty and is not a run directory; "
                     "pick a new path so nothing else is overwritten"
                 )
-            shutil.rmtree(p)
+            for c in old:
+                shutil.rmtree(c) if c.is_dir() else c.unlink()
         p.mkdir(parents=True, exist_ok=True)
         _atomic_write(p / "config.json", json.dumps(config, indent=2, default=str))
         self._metrics = open(p / "metrics.jsonl", "w")

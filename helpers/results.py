@@ -44,10 +44,8 @@ def load_run(path: str | Path) -> Run:
         raise RunError(f"run {p} is incomplete: no summary.json (still running, or killed); rerun its cell")
     summary = json.loads((p / "summary.json").read_text())
     if summary.get("status") != "completed":
-        raise RunError(
-            f"run {p} failed on rank {summary.get('failed_rank')}: {summary.get('reason')}; "
-            f"see {p / 'log.txt'}"
-        )
+        who = f" on rank {summary['failed_rank']}" if summary.get("failed_rank") is not None else ""
+        raise RunError(f"run {p} failed{who}: {summary.get('reason')}; see {p / 'log.txt'}; rerun its cell")
     config = json.loads((p / "config.json").read_text())
     lines = (p / "metrics.jsonl").read_text().splitlines()
     metrics = pd.DataFrame([json.loads(line) for line in lines if line.strip()])

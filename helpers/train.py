@@ -1,16 +1,18 @@
 """The job entry point: one code path for 1 rank, N ranks and N nodes.
 
-    torchrun --nproc_per_node 2 -m helpers.train \\
+    torchrun --standalone --nproc_per_node 2 -m helpers.train \\
         --config launch_configs/fsdp/full_shard.yaml --out runs/fsdp_tiny --steps 20
 
 also ``python -m helpers.train ...`` (one rank, no launcher) and
-``torchrun --nnodes M --node_rank R --rdzv-endpoint HOST:PORT ...`` (several
-nodes). ``RANK``/``WORLD_SIZE`` from the launcher decide who does what; only
-rank 0 prints and writes the run directory (see helpers.metrics).
+``python -m helpers.launch --nnodes M ...`` (several nodes: torchrun with c10d
+rendezvous). ``RANK``/``WORLD_SIZE`` from the launcher decide who does what;
+only rank 0 prints and writes the run directory (see helpers.metrics).
 
 Picks gloo + CPU (and ``DS_ACCELERATOR=cpu``) when no GPU is visible, nccl +
-CUDA when one is. A bad config or override exits with status 2 and one
-``error:`` line from rank 0, before any process group or run directory exists.
+CUDA when one is. A bad config, override or ``--out`` exits with status 2 and
+one ``error:`` line from rank 0, before any process group exists. A rank that
+fails, dies or hangs ends the job with status 1, one ``error:`` block from
+rank 0 naming the rank, and a failed ``summary.json`` (see helpers.guard).
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ import os
 import socket
 import sys
 import time
-import traceback
 import warnings
+from datetime import timedelta
 from importlib import metadata
 
 T0 = time.perf_counter()
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other bad input (argparse prints usage + error)
+        self.exit(2, f"error: {message} (see python -m helpers.train --help)\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="Accelerate-format YAML (launch_configs/...)")
     ap.add_argument("--out", required=True, help="run directory to write")
     ap.add_argument("--model", help="preset (tiny, small, medium), config.json or pretrained dir")
@@ -39,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--grad-accum", type=int)
     ap.add_argument("--grad-clip", type=float, help="max grad norm (FSDP); DeepSpeed reads its config")
+    ap.add_argument("--timeout", type=float, help="seconds without a finished step before the job is "
+                    "stopped as hung (start-up included; also the process-group timeout); default 600")
     return ap.parse_args(argv)
 
 
@@ -46,15 +55,29 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_gloo() -> None:
+    """Keep gloo's sockets on the loopback interface when the rendezvous is on this host only."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        local = all(info[4][0] in ("127.0.0.1", "::1") or info[4][0].startswith("127.")
+                    for info in socket.getaddrinfo(addr, None))
+    except OSError:
+        return
+    names = [n for _, n in socket.if_nameindex() if n in ("lo", "lo0")] if hasattr(socket, "if_nameindex") else []
+    if local and names:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", names[0])
 
 
-def fail_config(rank: int, msg: str) -> None:
-    if rank == 0:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+def fail_config(rank: int, msg: str, grace_s: float = 15.0) -> None:
+    """Exit 2 with one ``error:`` line, from rank 0 only.
+
+    Every rank checks the same input, so the other ranks wait for rank 0 to fail too (torchrun then
+    stops them): exiting first would let torchrun stop rank 0 before it printed. A rank still alive
+    after ``grace_s`` (rank 0 did not see the problem, e.g. a file missing on this node only) says it.
+    """
+    if rank != 0:
+        time.sleep(grace_s)
+    print(f"error: {msg}" if rank == 0 else f"error: rank {rank}: {msg}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -74,15 +97,23 @@ def main(argv=None) -> int:
     local_rank = _env_int("LOCAL_RANK", 0)
 
     # ---- validate everything before any process group or file exists
-    from .config import ConfigError, load_job_config
-    from .models import ModelSpecError, resolve_model
+    from .config import load_job_config
+    from .guard import JobGuard
 
-    overrides = {k: getattr(args, k) for k in
-                 ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip")}
+    overrides = {k: getattr(args, k) for k in ("model", "steps", "lr", "seed", "micro_batch", "seq_len",
+                                               "grad_accum", "grad_clip", "timeout")}
     try:
         job = load_job_config(args.config, overrides, world_size=world_size)
+        from .models import model_config, resolve_model  # imports torch: after the quick checks
+
         spec = resolve_model(job.train.model)
-    except (ConfigError, ModelSpecError) as e:
+        if spec.kind != "preset":
+            model_config(spec)  # a config.json that transformers cannot read is bad input too
+        resolved, ds_filled = resolve_job(job, world_size)
+        guard = JobGuard(args.out, rank, world_size, timeout=job.train.timeout)
+        if rank == 0:
+            guard.claim()  # --out: not a file, not another job's, not someone's directory
+    except ValueError as e:  # ConfigError, ModelSpecError, OutDirError, a bad GUIDE_FAIL_* test hook
         fail_config(rank, str(e))
 
     if rank != 0:  # only rank 0 prints; errors still reach stderr
@@ -98,9 +129,10 @@ def main(argv=None) -> int:
     if use_cuda:
         torch.cuda.set_device(device)
     dist_backend = "nccl" if use_cuda else "gloo"
-    if "MASTER_ADDR" not in os.environ:  # plain `python -m helpers.train`: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
+    launched = "MASTER_ADDR" in os.environ
+    if not launched:  # plain `python -m helpers.train`: a world of one, no port opened
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    _loopback_gloo()
 
     import torch.distributed as dist
 
@@ -120,22 +152,28 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
         "dist_backend": dist_backend, "versions": versions(),
     }
+
+    def write_failed(failed_rank, reason, message):  # rank 0, called by the guard exactly once
+        done = list(records)
+        summary.update(status="failed", reason=reason, failed_rank=failed_rank, steps=len(done),
+                       **summarize_steps(done, tokens_per_rank_step) if done else {})
+        run.log(message, echo=False)
+        _finish(run, summary)
+
+    tokens_per_rank_step = job.train.micro_batch * job.train.grad_accum * job.train.seq_len
+    guard.start(write_failed)
+    # the watchdog (--timeout without a finished step) ends a hang and says so; the process-group timeout
+    # is a little longer, so a stuck collective is reported as the hang it is, not as a gloo/nccl error
+    timeout = timedelta(seconds=job.train.timeout + 30)
     try:
-        dist.init_process_group(dist_backend, device_id=device if use_cuda else None)
+        store = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(dist_backend, device_id=device if use_cuda else None, timeout=timeout, **store)
+        guard.connect()
         if job.backend == "deepspeed":
             import deepspeed
 
             _quiet_deepspeed(rank)
-            deepspeed.init_distributed(dist_backend=dist_backend)
-        ds_filled = []
-        resolved = job.to_dict()
-        if job.backend == "deepspeed":
-            from .backends.deepspeed import resolved_ds_config
-
-            try:
-                resolved["deepspeed"]["json"], ds_filled = resolved_ds_config(job, world_size)
-            except ValueError as e:
-                fail_config(rank, f"{args.config}: {e}")
+            deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout)
         run.start({**resolved, "world_size": world_size, "device": summary["device"],
                    "dist_backend": dist_backend, "out": args.out})
         run.log(f"[{job.backend}] {summary['mode']} mixed_precision={job.mixed_precision} "
@@ -157,6 +195,7 @@ def main(argv=None) -> int:
 
         every = max(1, t.steps // 10)
         for step in range(t.steps):
+            guard.fault_hook(step)  # GUIDE_FAIL_* test hooks; nothing otherwise
             batches = [
                 synthetic_batch(step, seed=t.seed, rank=rank, world_size=world_size,
                                 micro_batch=t.micro_batch, seq_len=t.seq_len, vocab_size=vocab,
@@ -174,25 +213,17 @@ def main(argv=None) -> int:
                    "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds}
             records.append(rec)
             run.step(rec)
+            guard.progress(step + 1)
             if step % every == 0 or step == t.steps - 1:
                 run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
                         f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
         summary["peak_memory_bytes"] = gather(peak.peak)
-        summary.update(status="completed", steps=len(records),
-                       **summarize_steps(records, t.grad_accum * t.micro_batch * t.seq_len))
-    except SystemExit:
-        raise
-    except BaseException as e:  # noqa: BLE001 - recorded, then re-raised as exit status 1
-        summary.update(reason=f"{type(e).__name__}: {e}", failed_rank=rank, steps=len(records),
-                       **summarize_steps(records, 1) if records else {})
-        print(f"[rank {rank}] job failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        if rank == 0:
-            traceback.print_exc()
-        _finish(run, summary)
-        return 1
+        summary.update(status="completed", steps=len(records), **summarize_steps(records, tokens_per_rank_step))
+    except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
+        guard.fail(e)
     run.log(f"done: final loss {summary['final_loss']:.4f}, median step {summary['step_time_s'] * 1e3:.1f} ms; "
             f"wrote {args.out}")
-    _finish(run, summary)
+    guard.finish(lambda: _finish(run, summary))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -238,6 +269,21 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
         "peak_memory_source": peak.source,
         "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
     }
+
+
+def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
+    """The config as it will run (DeepSpeed "auto" filled); raises ConfigError before anything starts."""
+    from .config import ConfigError
+
+    resolved, filled = job.to_dict(), []
+    if job.backend == "deepspeed":
+        from .backends.deepspeed import resolved_ds_config
+
+        try:
+            resolved["deepspeed"]["json"], filled = resolved_ds_config(job, world_size)
+        except ValueError as e:
+            raise ConfigError(f"{job.source}: {e}") from None
+    return resolved, filled
 
 
 def mode_name(job) -> str:

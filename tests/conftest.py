@@ -23,12 +23,24 @@ def job_env() -> dict:
     return env
 
 
-def run_job(config: str, out: Path, nproc: int = 2, *extra: str, timeout: int = 600):
-    """torchrun (nproc > 0) or plain python (nproc == 0) -m helpers.train; returns CompletedProcess."""
+def job_cmd(config: str, out: Path, nproc: int = 2, *extra: str) -> list[str]:
+    """torchrun (nproc > 0) or plain python (nproc == 0) -m helpers.train."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc else [sys.executable])
-    cmd = [*launcher, "-m", "helpers.train", "--config", config, "--out", str(out), *extra]
-    return subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
+    return [*launcher, "-m", "helpers.train", "--config", config, "--out", str(out), *extra]
+
+
+def run_job(config: str, out: Path, nproc: int = 2, *extra: str, timeout: int = 600, env: dict | None = None):
+    """Run a job to the end; returns CompletedProcess. ``env`` adds variables (e.g. GUIDE_FAIL_*)."""
+    return subprocess.run(job_cmd(config, out, nproc, *extra), cwd=REPO, env={**job_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_job(config: str, out: Path, nproc: int = 2, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """Start a job in the background, stdout and stderr merged into one text pipe."""
+    return subprocess.Popen(job_cmd(config, out, nproc, *extra), cwd=REPO, env={**job_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # so a test can end the whole tree: os.killpg
 
 
 def summary(out: Path) -> dict:

@@ -97,7 +97,7 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
     assert s["reason"].startswith("timed out: no training step finished for 30 s (--timeout 30) at step 2")
     assert job.text.count("error: timed out") == 1
     assert re.search(r"rank 1: helpers/guard.py:\d+ in fault_hook", job.text), job.text[-4000:]
-    assert re.search(r"rank 0: torch/distributed/\S+ in all_gather", job.text), job.text[-4000:]
+    assert re.search(r"rank 0: \S*torch/distributed/\S+ in all_gather", job.text), job.text[-4000:]
 
 
 def test_two_jobs_at_once_do_not_collide(tmp_path):

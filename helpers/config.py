@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 Backend = Literal["fsdp", "deepspeed"]
 Precision = Literal["no", "bf16"]
+ModelDtype = Literal["auto", "bf16", "fp32"]
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
 
@@ -51,6 +52,10 @@ class TrainOptions:
     grad_clip: float = 0.0  # max global grad norm; 0 = no clipping
     weight_decay: float = 0.0  # AdamW weight decay
     timeout: float = 600.0  # seconds without a finished step (start-up included) before the job is stopped
+    # The dtype the script loads the model in; Accelerate's YAML has no key for it.
+    # "auto" (resolved at load time, see resolve_model_dtype): bf16, as in the seeds'
+    # `from_pretrained(..., dtype=bfloat16)`; fp32 for DeepSpeed with bf16 disabled.
+    model_dtype: ModelDtype = "auto"
 
 
 @dataclass
@@ -433,13 +438,33 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
                    f"({world_size}) into 2 or more groups (hpZ needs {2 * hpz} ranks here)")
     if world_size is not None and world_size < 1:
         c.fail(f"world size {world_size}: must be >= 1")
+    job.train.model_dtype = resolve_model_dtype(c, job)
     return job
+
+
+def resolve_model_dtype(c: _Checker, job: JobConfig) -> Literal["bf16", "fp32"]:
+    """The dtype the model is loaded in ("auto" resolved); the backend then decides what to upcast.
+
+    ``auto`` is bf16 - the seeds' setup, a checkpoint loaded in bf16 - so the FSDP
+    config's ``mixed_precision`` alone picks the mode: ``bf16`` upcasts to fp32 shards
+    (aligned with DeepSpeed), ``no`` trains in bf16 end to end (memory-constrained).
+    DeepSpeed with bf16 disabled trains in fp32, so there ``auto`` is fp32 and bf16 is refused.
+    """
+    want = job.train.model_dtype
+    ds_fp32 = job.backend == "deepspeed" and job.mixed_precision == "no"
+    if want == "auto":
+        return "fp32" if ds_fp32 else "bf16"
+    if want == "bf16" and ds_fp32:
+        c.fail("--model-dtype = 'bf16' needs bf16.enabled = true in the DeepSpeed config (with it off, "
+               "DeepSpeed expects an fp32 model); allowed here: fp32, auto")
+    return want
 
 
 def _train_options(c: _Checker, overrides: dict) -> TrainOptions:
     t = TrainOptions()
     rules = {"model": str, "steps": int, "lr": float, "seed": int, "micro_batch": int,
-             "seq_len": int, "grad_accum": int, "grad_clip": float, "weight_decay": float, "timeout": float}
+             "seq_len": int, "grad_accum": int, "grad_clip": float, "weight_decay": float, "timeout": float,
+             "model_dtype": ["auto", "bf16", "fp32"]}
     for k, v in overrides.items():
         if v is None:
             continue

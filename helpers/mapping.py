@@ -86,13 +86,15 @@ def bytes_per_param(backend: str, mixed_precision: str, model_dtype_bytes: int =
 
 def theory_bytes(mode: Mode, num_params: int, world_size: int, mixed_precision: str,
                  shard_group: int | None = None, secondary_group: int | None = None,
-                 grad_dtype_bytes: int | None = None) -> dict[str, float]:
+                 grad_dtype_bytes: int | None = None, model_dtype_bytes: int = 2) -> dict[str, float]:
     """Per-rank bytes the ZeRO model predicts for this mode.
 
     ``shard_group``: ranks that share one copy (FSDP hybrid); default all.
     ``secondary_group``: ZeRO++ hpZ partition size (an extra bf16 param shard).
+    ``model_dtype_bytes``: bytes per element of the dtype the model was loaded in (FSDP without
+    mixed precision keeps it).
     """
-    per = bytes_per_param(mode.backend, mixed_precision, grad_dtype_bytes=grad_dtype_bytes)
+    per = bytes_per_param(mode.backend, mixed_precision, model_dtype_bytes, grad_dtype_bytes)
     group = shard_group or world_size
     out = {cat: per[cat] * num_params / (group if cat in mode.sharded else 1) for cat in CATEGORIES}
     if secondary_group:

@@ -39,6 +39,10 @@ STEP_KEYS = {
     "lr": "learning rate used for the step",
     "step_time_s": "wall time of the step on rank 0 (forward, backward, optimizer)",
     "tokens_per_s": "tokens one rank processed per second in this step",
+    "updated_fraction": "share of parameter elements the optimizer step changed, in the tensor it updates "
+                        "(FSDP: the shard; DeepSpeed: the fp32 master); all ranks' local shards, summed "
+                        "(helpers.precision.UpdateTracker); null above 50M params or for DeepSpeed ZeRO 0-2",
+    "updated_fraction_compute": "the same, for the values rounded to the compute dtype (what forward uses)",
 }
 
 SUMMARY_KEYS = {
@@ -68,6 +72,10 @@ SUMMARY_KEYS = {
     "peak_memory_bytes": "per rank (list): peak memory over the job (see peak_memory_source)",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",
     "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence",
+    "dtypes": "dtype of one parameter (param) at each stage of a step, read from the live objects on "
+              "rank 0: loaded, stored_param, master_param, optimizer_param, forward_weight, "
+              "grad_before_reduce, reduce_dtype, stored_grad, optimizer_grad, optimizer_states "
+              "(helpers.precision.DtypeProbe)",
     "device": '"cpu" or the GPU name',
     "dist_backend": '"gloo" or "nccl"',
     "versions": "torch, deepspeed, transformers versions",

@@ -106,3 +106,31 @@ def memory_vs_world(table, modes, ax=None, unit: float = 2**20):
     ax.set_xticks(sorted(set(table.world_size)))
     ax.legend(fontsize=8)
     return ax
+
+
+def run_curves(runs: list[Run], column: str, labels: list[str] | None = None, ax=None, title: str = "",
+               ylabel: str = "", **plot_kw):
+    """One metrics.jsonl column vs step, one line per run (FSDP solid, DeepSpeed dashed)."""
+    ax = ax or plt.subplots()[1]
+    for r, label in zip(runs, labels or [r.label for r in runs], strict=True):
+        ls = LINES[r.backend]["ls"]
+        ax.plot(r.metrics["step"], r.metrics[column], ls=ls, lw=1.6, label=label, **plot_kw)
+    ax.set(xlabel="step", ylabel=ylabel or column, title=title or column)
+    ax.legend()
+    return ax
+
+
+def run_memory_bars(runs: list[Run], labels: list[str] | None = None, ax=None, rank: int = 0):
+    """Stacked bars: bytes of params, grads, optimizer states and master copy one rank holds (MB)."""
+    from .mapping import CATEGORIES
+
+    ax = ax or plt.subplots()[1]
+    labels = labels or [r.label for r in runs]
+    bottom = [0.0] * len(runs)
+    for cat in CATEGORIES:
+        mb = [r.summary["memory_bytes"][rank][cat] / 1e6 for r in runs]
+        ax.bar(labels, mb, bottom=bottom, label=cat, color=CATEGORY_COLORS[cat])
+        bottom = [b + m for b, m in zip(bottom, mb, strict=True)]
+    ax.set(ylabel="MB", title=f"what rank {rank} holds after backward (helpers.memory)")
+    ax.legend()
+    return ax

@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--grad-clip", type=float, help="max grad norm (FSDP); DeepSpeed reads its config")
     ap.add_argument("--timeout", type=float, help="seconds without a finished step before the job is "
                     "stopped as hung (start-up included; also the process-group timeout); default 600")
+    ap.add_argument("--model-dtype", help="dtype the model is loaded in: auto (default: bf16; fp32 for "
+                    "DeepSpeed without bf16), bf16, fp32")
     return ap.parse_args(argv)
 
 
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     from .guard import JobGuard
 
     overrides = {k: getattr(args, k) for k in ("model", "steps", "lr", "seed", "micro_batch", "seq_len",
-                                               "grad_accum", "grad_clip", "timeout")}
+                                               "grad_accum", "grad_clip", "timeout", "model_dtype")}
     try:
         job = load_job_config(args.config, overrides, world_size=world_size)
         from .models import model_config, resolve_model  # imports torch: after the quick checks
@@ -139,6 +141,7 @@ def main(argv=None) -> int:
     from .memory import PeakMemory, StepProbe
     from .metrics import RunDir, Timer, summarize_steps
     from .models import build_model, count_params, synthetic_batch
+    from .precision import DtypeProbe, UpdateTracker
 
     run = RunDir(args.out, active=rank == 0)
     records: list[dict] = []
@@ -182,12 +185,15 @@ def main(argv=None) -> int:
             run.log(f"note: {note}")
 
         t = job.train
-        dtype = torch.bfloat16 if job.mixed_precision == "bf16" else torch.float32
+        dtype = torch.bfloat16 if t.model_dtype == "bf16" else torch.float32
         model = build_model(spec, dtype=dtype, seed=t.seed)
         summary["num_params"] = count_params(model)
         peak = PeakMemory(device)
         model.register_forward_hook(peak.sample)  # activations are all alive at the end of forward
+        dtypes = DtypeProbe(model)  # before the backend: sees the dtype the model was loaded in
         engine = apply_backend(model, job, device)
+        dtypes.attach(engine)
+        updates = UpdateTracker(engine, summary["num_params"])
         probe_step, probe = min(1, t.steps - 1), StepProbe(model)  # step 1: Adam's states exist
         vocab = model.config.vocab_size
         run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
@@ -202,6 +208,9 @@ def main(argv=None) -> int:
                                 micro_step=m, grad_accum=t.grad_accum).to(device)
                 for m in range(t.grad_accum)
             ]
+            if step == probe_step:
+                dtypes.arm()
+            updates.before()
             with Timer(device) as timer:
                 loss, grad_norm = engine.train_step(batches, probe if step == probe_step else None)
             peak.sample()
@@ -210,7 +219,7 @@ def main(argv=None) -> int:
             dist.all_reduce(loss)
             rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": t.lr,
                    "step_time_s": timer.seconds,
-                   "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds}
+                   "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds, **updates.after()}
             records.append(rec)
             run.step(rec)
             guard.progress(step + 1)
@@ -218,6 +227,7 @@ def main(argv=None) -> int:
                 run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
                         f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
         summary["peak_memory_bytes"] = gather(peak.peak)
+        summary["dtypes"] = dtypes.result()
         summary.update(status="completed", steps=len(records), **summarize_steps(records, tokens_per_rank_step))
     except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
         guard.fail(e)
@@ -261,7 +271,8 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
         if js.get("data_types", {}).get("grad_accum_dtype") == "fp32":
             grad_bytes = 4
     theory = theory_bytes(MODES[key], num_params, dist.get_world_size(), job.mixed_precision,
-                          shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes)
+                          shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes,
+                          model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
     return {
         "mode_key": key,
         "memory_bytes": gather(probe.state),

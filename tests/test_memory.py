@@ -45,7 +45,8 @@ def test_theory_by_hand():
         "params": 4000, "grads": 4000, "optimizer_states": 8000, "master_params": 0}
     assert theory_bytes(MODES["hybrid_shard"], n, 4, "bf16", shard_group=2)["params"] == 2000
     assert theory_bytes(MODES["zero3_hpz"], n, 4, "bf16", secondary_group=2)["params"] == 500 + 1000
-    assert theory_bytes(MODES["full_shard"], n, 2, "no")["params"] == 1000  # fp32 model, not upcast
+    assert theory_bytes(MODES["full_shard"], n, 2, "no")["params"] == 1000  # bf16 model, not upcast
+    assert theory_bytes(MODES["full_shard"], n, 2, "no", model_dtype_bytes=4)["params"] == 2000  # fp32 model
 
 
 @pytest.mark.parametrize("key", list(MODES))

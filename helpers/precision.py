@@ -1,0 +1,273 @@
+"""Which dtype each stage of a training step really uses, read from the live job.
+
+Two probes, both run inside ``helpers.train`` on every rank (rank 0 writes):
+
+``DtypeProbe``  follows one named parameter (the first weight matrix of the first
+    decoder layer) through one step and records, from the live FSDP2 or DeepSpeed
+    objects - never from the config - the dtype of
+
+    ``loaded``              the parameter as the script loaded it, before the backend;
+    ``stored_param``        the shard each rank keeps between steps (FSDP ``p.to_local()``,
+                            DeepSpeed ZeRO-3 ``p.ds_tensor``);
+    ``master_param``        a separate fp32 copy kept for the optimizer (DeepSpeed's fp32
+                            partition), or ``None`` when there is none (FSDP: the optimizer
+                            updates the stored shard itself);
+    ``optimizer_param``     the tensor ``optimizer.step()`` writes to;
+    ``forward_weight``      the gathered weight the layer multiplies with (forward hook);
+    ``grad_before_reduce``  the gradient autograd produces, before any reduction (tensor hook);
+    ``reduce_dtype``        the dtype gradients are reduced in (FSDP ``FSDPParam.reduce_dtype``,
+                            else the gradient's own; DeepSpeed ``engine.communication_data_type``);
+    ``stored_grad``         the reduced gradient shard kept for the step (FSDP ``p.grad.to_local()``,
+                            DeepSpeed ``grad_partitions_flat_buffer``);
+    ``optimizer_grad``      the gradient ``optimizer.step()`` reads;
+    ``optimizer_states``    Adam's ``exp_avg`` and ``exp_avg_sq``.
+
+    The readings are taken during the step after ``arm()`` (the job arms step 1, when
+    Adam's states exist) and end up in ``summary.json`` as ``dtypes``.
+
+``UpdateTracker``  the per-step ``updated_fraction`` in ``metrics.jsonl``: the share of
+    parameter elements whose value changed in the optimizer step, counted over every
+    rank's local shard (all ranks summed, padding excluded), for the tensor the optimizer
+    updates and for the same values rounded to the compute dtype. It keeps a copy of the
+    shards, so above ``UpdateTracker.MAX_PARAMS`` parameters (and for DeepSpeed stages
+    below 3) it records ``None``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
+              "grad_before_reduce", "reduce_dtype", "stored_grad", "optimizer_grad", "optimizer_states")
+
+
+def short(dtype) -> str | None:
+    """torch.bfloat16 -> "bf16"; None stays None."""
+    return None if dtype is None else SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def probe_target(model) -> tuple[str, torch.nn.Module, str]:
+    """(fully qualified name, owning module, attribute) of the first 2-D weight in the first block."""
+    from .models import decoder_layers
+
+    block = decoder_layers(model)[0]
+    prefix = next(n for n, m in model.named_modules() if m is block)
+    for mod_name, module in block.named_modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            if p.dim() == 2:
+                return f"{prefix}.{mod_name}.{leaf}".replace("..", "."), module, leaf
+    raise ValueError(f"no 2-D weight in {prefix}")
+
+
+def _fsdp_params(model):
+    """(FSDPParam, its group's MixedPrecisionPolicy) for every FSDP2 unit's parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            for f in group.fsdp_params if group else []:
+                yield f, group.mp_policy
+
+
+def _inner_optimizer(engine) -> torch.optim.Optimizer:
+    """The torch optimizer that does the update (DeepSpeed wraps it in its ZeRO optimizer)."""
+    if engine.backend == "fsdp":
+        return engine.optimizer
+    zopt = engine.engine.optimizer
+    return getattr(zopt, "optimizer", zopt)
+
+
+class DtypeProbe:
+    """Dtypes of one parameter at every stage of a step (see the module doc). Build it before the backend."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.name, module, self.leaf = probe_target(model)
+        self.out: dict = dict.fromkeys(PROBE_KEYS)
+        self.out["loaded"] = short(getattr(module, self.leaf).dtype)
+        self.armed, self.engine = False, None
+        module.register_forward_hook(self._forward)
+
+    def attach(self, engine) -> None:
+        """Call once the backend is applied: hooks the optimizer step."""
+        self.engine = engine
+        self.param = dict(engine.module.named_parameters())[self.name]
+        _inner_optimizer(engine).register_step_pre_hook(self._before_step)
+
+    def arm(self) -> None:
+        """Read the dtypes during the next step."""
+        self.armed = True
+
+    def result(self) -> dict:
+        return {"param": self.name, **self.out}
+
+    def _forward(self, module, args, output) -> None:
+        if not self.armed or self.out["forward_weight"] is not None:
+            return
+        w = getattr(module, self.leaf)  # FSDP: the unsharded param; DeepSpeed: the gathered param
+        self.out["forward_weight"] = short(w.dtype)
+        if w.requires_grad and torch.is_grad_enabled():
+            handle = None
+
+            def on_grad(grad):
+                self.out["grad_before_reduce"] = short(grad.dtype)
+                handle.remove()
+
+            handle = w.register_hook(on_grad)
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if not self.armed:
+            return
+        self.armed = False
+        self.out.update(self._fsdp_stored() if self.engine.backend == "fsdp" else self._ds_stored())
+
+    def _fsdp_stored(self) -> dict:
+        p, opt = self.param, self.engine.optimizer
+        fp = next(f for f, _ in _fsdp_params(self.engine.module) if f.sharded_param is p)
+        grad = p.grad.to_local() if p.grad is not None else None
+        state = opt.state.get(p, {})
+        return {
+            "stored_param": short(p.to_local().dtype),
+            "master_param": None,  # FSDP keeps no second copy: the optimizer updates the shard
+            "optimizer_param": short(p.dtype),
+            "reduce_dtype": short(fp.reduce_dtype or fp.param_dtype or fp.orig_dtype),
+            "stored_grad": short(grad.dtype) if grad is not None else None,
+            "optimizer_grad": short(grad.dtype) if grad is not None else None,
+            "optimizer_states": _states_dtype(state),
+        }
+
+    def _ds_stored(self) -> dict:
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        p, ds = self.param, self.engine.engine
+        zopt = ds.optimizer
+        if not hasattr(p, "ds_tensor"):  # ZeRO 0-2: no per-param partitions to read
+            return {"stored_param": short(p.dtype), "reduce_dtype": short(ds.communication_data_type)}
+        master = safe_get_local_fp32_param(p)
+        inner = _inner_optimizer(self.engine)
+        flat = next(t for g in inner.param_groups for t in g["params"] if _same_storage(t, master))
+        return {
+            "stored_param": short(p.ds_tensor.dtype),
+            "master_param": short(master.dtype),
+            "optimizer_param": short(flat.dtype),
+            "reduce_dtype": short(ds.communication_data_type),
+            "stored_grad": short(zopt.grad_partitions_flat_buffer.dtype),
+            "optimizer_grad": short(flat.grad.dtype) if flat.grad is not None else None,
+            "optimizer_states": _states_dtype(inner.state.get(flat, {})),
+        }
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _states_dtype(state: dict) -> str | None:
+    dts = sorted({short(state[k].dtype) for k in ("exp_avg", "exp_avg_sq") if k in state})
+    return "/".join(dts) if dts else None
+
+
+class UpdateTracker:
+    """``updated_fraction`` and ``updated_fraction_compute`` of each step (see the module doc)."""
+
+    MAX_PARAMS = 50_000_000  # above this, copying every shard each step costs too much: record None
+
+    def __init__(self, engine, num_params: int):
+        self.engine = engine
+        zero3 = engine.backend == "fsdp" or hasattr(next(engine.module.parameters()), "ds_tensor")
+        self.enabled = num_params <= self.MAX_PARAMS and zero3
+        self._before: list | None = None
+
+    def _shards(self) -> list[tuple[torch.Tensor, torch.dtype]]:
+        """(local values the optimizer updates, compute dtype) per parameter on this rank."""
+        if self.engine.backend == "fsdp":
+            return [(f.sharded_param.to_local().reshape(-1), mp.param_dtype or f.sharded_param.dtype)
+                    for f, mp in _fsdp_params(self.engine.module)]
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        rank, out = dist.get_rank(), []
+        for p in self.engine.module.parameters():
+            part = p.ds_tensor.numel()
+            valid = max(0, min(part, p.ds_numel - rank * part))  # the last rank's shard is padded
+            out.append((safe_get_local_fp32_param(p).reshape(-1)[:valid], p.ds_tensor.dtype))
+        return out
+
+    def before(self) -> None:
+        """Copy the shards; call right before the step."""
+        if self.enabled:
+            self._before = [t.detach().clone() for t, _ in self._shards()]
+
+    def after(self) -> dict:
+        """The fractions for the step just taken (every rank calls this: it all-reduces)."""
+        if not self.enabled:
+            return {"updated_fraction": None, "updated_fraction_compute": None}
+        counts = torch.zeros(3, dtype=torch.float64)
+        for old, (new, dtype) in zip(self._before, self._shards(), strict=True):
+            counts[0] += (new != old).sum().item()
+            counts[1] += (new.to(dtype) != old.to(dtype)).sum().item()
+            counts[2] += new.numel()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dev = next(self.engine.module.parameters()).device
+            counts = counts.to(dev)
+            dist.all_reduce(counts)
+            counts = counts.cpu()
+        self._before = None
+        return {"updated_fraction": float(counts[0] / counts[2]),
+                "updated_fraction_compute": float(counts[1] / counts[2])}
+
+
+# ----------------------------------------------------------------- the seeds' table, next to the measurement
+
+PRECISION_MODES = {"fsdp_low": "FSDP low precision", "fsdp_mixed": "FSDP aligned (mixed)",
+                   "deepspeed": "DeepSpeed ZeRO-3"}
+# The seeds' precision table (shared/REFERENCE.md) as claims about probe rows:
+# probe key -> (the seed's row, FSDP low precision, FSDP mixed, DeepSpeed).
+SEED_TABLE = {
+    "loaded": ("model loaded as", "bf16", "bf16", "bf16"),
+    "stored_param": ("flat/sharded params prepared as", "bf16", "fp32", "fp32"),
+    "optimizer_param": ("flat/sharded params prepared as", "bf16", "fp32", "fp32"),
+    "forward_weight": ("forward/backward compute", "bf16", "bf16", "bf16"),
+    "grad_before_reduce": ("forward/backward compute", "bf16", "bf16", "bf16"),
+    "optimizer_states": ("optimizer states and step", "bf16", "fp32", "fp32"),
+}
+
+
+def seed_claim(key: str, mode: str) -> str | None:
+    row = SEED_TABLE.get(key)
+    return row[1 + list(PRECISION_MODES).index(mode)] if row else None
+
+
+def seed_differences(dtypes: dict[str, dict]) -> list[tuple[str, str, str, str]]:
+    """(probe key, mode, measured, seed) wherever a run's ``dtypes`` contradicts the seeds' table."""
+    out = []
+    for mode, d in dtypes.items():
+        for key in SEED_TABLE:
+            claim = seed_claim(key, mode)
+            if d.get(key) != claim:
+                out.append((key, mode, d.get(key), claim))
+    return out
+
+
+def dtype_table(dtypes: dict[str, dict]):
+    """Measured dtypes (rows: probe keys; columns: modes), each cell marked where it differs from the seeds.
+
+    ``dtypes`` maps a PRECISION_MODES key to a run's ``summary["dtypes"]``. A cell reads
+    ``bf16``, ``-`` (no such tensor), or ``bf16 != seed fp32``.
+    """
+    import pandas as pd
+
+    rows = {}
+    for key in PROBE_KEYS:
+        row = {"seed's row": SEED_TABLE[key][0] if key in SEED_TABLE else ""}
+        for mode, d in dtypes.items():
+            got, claim = d.get(key) or "-", seed_claim(key, mode)
+            row[PRECISION_MODES[mode]] = got if claim in (None, got) else f"{got} != seed {claim}"
+        rows[key] = row
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def loss_drop(losses: list[float], last: int = 10) -> float:
+    """First loss minus the mean of the last ``last`` losses (the mean evens out batch-to-batch noise)."""
+    tail = losses[-last:]
+    return losses[0] - sum(tail) / len(tail)

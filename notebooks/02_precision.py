@@ -233,7 +233,7 @@ for n, (f, fc) in frac.items():
 # (`memory_bytes`, `helpers.memory`).
 
 # %%
-plots.memory_bars([low, mixed, ds], NAMES)
+plots.run_memory_bars([low, mixed, ds], NAMES)
 per_param = {}  # bytes per parameter, all ranks together: measured, and the ZeRO model's prediction
 for n, r in RUNS.items():
     measured, theory = r.summary["memory_bytes"][0], r.summary["memory_theory_bytes"]

@@ -68,14 +68,20 @@ def test_rank_1_error_is_shown_once_and_recorded(tmp_path):
         load_run(out)
 
 
+def run_fault(out, mode: str, timeout: int):
+    """Rank 1 fails in ``mode`` at step 2; the finished job and seconds from the fault to the job's end."""
+    job = Timed(start_job(FSDP, out, 2, *TINY, "--timeout", str(timeout), env={**FAIL_RANK_1, "GUIDE_FAIL_MODE": mode}))
+    rc = job.wait(600)
+    at = job.when(f"[rank 1] test hook GUIDE_FAIL_MODE={mode} at step 2")
+    assert rc != 0 and at is not None, job.text[-4000:]
+    return job, job.end - at
+
+
 def test_killed_rank_ends_the_job_at_once(tmp_path):
     out = tmp_path / "run"
-    job = Timed(start_job(FSDP, out, 2, *TINY, "--timeout", "60", env={**FAIL_RANK_1, "GUIDE_FAIL_MODE": "kill"}))
-    rc = job.wait(600)
-    killed = job.when("[rank 1] test hook GUIDE_FAIL_MODE=kill at step 2")
-    assert rc != 0 and killed is not None, job.text[-4000:]
-    print(f"killed rank -> job ended in {job.end - killed:.2f} s")
-    assert job.end - killed < 60  # torchrun and gloo notice the death; the watchdog is not needed
+    job, seconds = run_fault(out, "kill", timeout=60)
+    print(f"killed rank -> job ended in {seconds:.2f} s")
+    assert seconds < 60  # torchrun and gloo notice the death; the watchdog is not needed
     assert job.text.count("died without reporting an error") == 1, job.text[-4000:]
     assert re.search(r"^error: rank 1 \(pid \d+\) died without reporting an error", job.text, re.M)
     s = summary(out)
@@ -86,12 +92,9 @@ def test_killed_rank_ends_the_job_at_once(tmp_path):
 
 def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
     out = tmp_path / "run"
-    job = Timed(start_job(FSDP, out, 2, *TINY, "--timeout", "30", env={**FAIL_RANK_1, "GUIDE_FAIL_MODE": "hang"}))
-    rc = job.wait(600)
-    hung = job.when("[rank 1] test hook GUIDE_FAIL_MODE=hang at step 2")
-    assert rc != 0 and hung is not None, job.text[-4000:]
-    print(f"hung rank -> job ended in {job.end - hung:.2f} s (--timeout 30)")
-    assert 25 < job.end - hung < 30 + 60
+    job, seconds = run_fault(out, "hang", timeout=30)
+    print(f"hung rank -> job ended in {seconds:.2f} s (--timeout 30)")
+    assert 25 < seconds < 30 + 60
     s = summary(out)
     assert s["status"] == "failed" and s["failed_rank"] is None and s["steps"] == 2, s
     assert s["reason"].startswith("timed out: no training step finished for 30 s (--timeout 30) at step 2")

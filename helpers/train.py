@@ -322,4 +322,10 @@ def _quiet_deepspeed(rank: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written and closed. Skip the interpreter's teardown: once in a while a C++
+    # communication thread (gloo) still alive at finalization aborts the process ("terminate called
+    # without an active exception", SIGABRT), and torchrun would report a finished run as failed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

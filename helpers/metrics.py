@@ -32,6 +32,8 @@ import statistics
 import time
 from pathlib import Path
 
+WARMUP_STEPS = 2  # steps left out of the summary's step time (see SUMMARY_KEYS["step_time_s"])
+
 STEP_KEYS = {
     "step": "optimizer step, from 0",
     "loss": "causal-LM loss, mean over the step's micro-batches and over ranks",
@@ -43,6 +45,8 @@ STEP_KEYS = {
                         "(FSDP: the shard; DeepSpeed: the fp32 master); all ranks' local shards, summed "
                         "(helpers.precision.UpdateTracker); null above 50M params or for DeepSpeed ZeRO 0-2",
     "updated_fraction_compute": "the same, for the values rounded to the compute dtype (what forward uses)",
+    "elapsed_s": "seconds from process start to the end of this step on rank 0; its differences are the whole "
+                 "loop's time per step, the harness's own work between steps included (benchmarks/overhead.py)",
 }
 
 SUMMARY_KEYS = {
@@ -62,8 +66,16 @@ SUMMARY_KEYS = {
     "tokens_per_step": "tokens per optimizer step, all ranks together",
     "losses": "loss of every step (same values as metrics.jsonl)",
     "final_loss": "loss of the last step",
-    "step_time_s": "median step time, first step (warm-up) excluded when there are more",
+    "step_time_s": f"median step time; the first {WARMUP_STEPS} steps (warm-up) excluded when there are more: "
+                   "step 0 pays first-touch allocations, kernel selection and lazily created optimizer state, "
+                   "step 1 runs the memory and dtype probes (helpers.memory, helpers.precision)",
     "tokens_per_s_per_rank": "tokens per second per rank at the median step time",
+    "flops_per_token": "model training FLOPs per token, 6 N (N without embeddings) + 12 L H Q T attention "
+                       "(helpers.throughput)",
+    "peak_flops": "peak FLOP/s of one device (rank) in the compute dtype: a GPU table, a CPU matmul measured "
+                  "at job start, or --peak-tflops; null for a GPU not in the table",
+    "peak_flops_source": "where peak_flops came from (table, measured: how, or --peak-tflops)",
+    "mfu": "model FLOPs utilisation: flops_per_token x tokens_per_s_per_rank / peak_flops (null without a peak)",
     "wall_time_s": "seconds from process start to the summary",
     "mode_key": "key of the sharding mode in helpers.mapping.MODES (e.g. full_shard, zero3)",
     "memory_bytes": "per rank (list): bytes of params, grads, optimizer_states, master_params held "
@@ -146,9 +158,9 @@ class RunDir:
 
 
 def summarize_steps(records: list[dict], tokens_per_rank_step: int) -> dict:
-    """Median step time (warm-up step excluded) and the tokens/s it implies."""
+    """Median step time (the first WARMUP_STEPS excluded when there are more) and the tokens/s it implies."""
     times = [r["step_time_s"] for r in records]
-    steady = times[1:] if len(times) > 1 else times
+    steady = times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS else times[-1:]
     median = statistics.median(steady) if steady else float("nan")
     return {
         "losses": [r["loss"] for r in records],

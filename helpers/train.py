@@ -26,6 +26,8 @@ import warnings
 from datetime import timedelta
 from importlib import metadata
 
+from .throughput import positive_tflops
+
 T0 = time.perf_counter()
 
 
@@ -50,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "stopped as hung (start-up included; also the process-group timeout); default 600")
     ap.add_argument("--model-dtype", help="dtype the model is loaded in: auto (default: bf16; fp32 for "
                     "DeepSpeed without bf16), bf16, fp32")
+    ap.add_argument("--peak-tflops", type=positive_tflops, help="the device's peak TFLOPS for MFU (default: "
+                    "a table of GPUs; measured on a CPU), see helpers.throughput")
     return ap.parse_args(argv)
 
 
@@ -142,6 +146,8 @@ def main(argv=None) -> int:
     from .metrics import RunDir, Timer, summarize_steps
     from .models import build_model, count_params, synthetic_batch
     from .precision import DtypeProbe, UpdateTracker
+    from .progress import Progress
+    from .throughput import compute_dtype, device_peak, flops_per_token, fmt_flops, summary_keys
 
     run = RunDir(args.out, active=rank == 0)
     records: list[dict] = []
@@ -183,11 +189,15 @@ def main(argv=None) -> int:
                 f"world_size={world_size} device={summary['device']} ({dist_backend})")
         for note in job.notes + ([f"filled DeepSpeed 'auto': {', '.join(ds_filled)}"] if ds_filled else []):
             run.log(f"note: {note}")
+        peak_flops, peak_source = device_peak(device, compute_dtype(job), args.peak_tflops)
+        run.log(f"peak {fmt_flops(peak_flops)} per device ({peak_source})" if peak_flops
+                else f"note: no MFU: {peak_source}")
 
         t = job.train
         dtype = torch.bfloat16 if t.model_dtype == "bf16" else torch.float32
         model = build_model(spec, dtype=dtype, seed=t.seed)
         summary["num_params"] = count_params(model)
+        flops = flops_per_token(model, t.seq_len)
         peak = PeakMemory(device)
         model.register_forward_hook(peak.sample)  # activations are all alive at the end of forward
         dtypes = DtypeProbe(model)  # before the backend: sees the dtype the model was loaded in
@@ -200,6 +210,7 @@ def main(argv=None) -> int:
                 f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
 
         every = max(1, t.steps // 10)
+        bar = Progress(t.steps, active=rank == 0)
         for step in range(t.steps):
             guard.fault_hook(step)  # GUIDE_FAIL_* test hooks; nothing otherwise
             batches = [
@@ -219,20 +230,28 @@ def main(argv=None) -> int:
             dist.all_reduce(loss)
             rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": t.lr,
                    "step_time_s": timer.seconds,
-                   "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds, **updates.after()}
+                   "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds, **updates.after(),
+                   "elapsed_s": time.perf_counter() - T0}
             records.append(rec)
             run.step(rec)
             guard.progress(step + 1)
+            bar.update(rec["loss"], rec["tokens_per_s"])
             if step % every == 0 or step == t.steps - 1:
-                run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
-                        f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
+                with bar.printing():
+                    run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
+                            f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
+        bar.close()
         summary["peak_memory_bytes"] = gather(peak.peak)
         summary["dtypes"] = dtypes.result()
         summary.update(status="completed", steps=len(records), **summarize_steps(records, tokens_per_rank_step))
+        summary.update(summary_keys(flops, summary["tokens_per_s_per_rank"], peak_flops, peak_source))
     except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
+        if "bar" in locals():
+            bar.close()  # the error block starts on a line of its own
         guard.fail(e)
-    run.log(f"done: final loss {summary['final_loss']:.4f}, median step {summary['step_time_s'] * 1e3:.1f} ms; "
-            f"wrote {args.out}")
+    mfu = f", MFU {summary['mfu']:.2f}" if summary["mfu"] is not None else ""
+    run.log(f"done: final loss {summary['final_loss']:.4f}, median step {summary['step_time_s'] * 1e3:.1f} ms, "
+            f"{summary['tokens_per_s_per_rank']:.0f} tokens/s/rank{mfu}; wrote {args.out}")
     guard.finish(lambda: _finish(run, summary))
     if dist.is_initialized():
         dist.destroy_process_group()

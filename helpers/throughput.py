@@ -1,0 +1,171 @@
+"""Throughput and MFU: how much of the device a job's training steps use.
+
+MFU (model FLOPs utilisation) = model FLOPs per token x tokens per second per
+device / the device's peak FLOPs. The model FLOPs are what the model needs
+(a formula, below), not what the hardware happened to execute (no recompute,
+no padding, no optimizer), so MFU compares fairly across backends and
+machines. ``helpers.train`` writes ``flops_per_token``, ``peak_flops``,
+``peak_flops_source`` and ``mfu`` into ``summary.json``.
+
+**FLOPs per token** (training: forward + backward) = ``6 N + 12 L H Q T``
+(PaLM, appendix B; nanoGPT and torchtitan count the same way):
+
+* ``6 N``: each weight does one multiply-add (2 FLOPs) per token forward and
+  two backward (gradient of the input and of the weight). **N excludes the
+  embedding tables** (``nn.Embedding``: token, and positions where a model
+  has them): a lookup does no arithmetic, and in the guide's small presets
+  the token embedding is 15-22% of the parameters, so counting it would
+  inflate MFU by as much. N **includes the output projection** (``lm_head``):
+  hidden x vocab multiply-adds per token, a real matmul (15% of ``medium``'s
+  FLOPs) - also when it is tied to the embedding, then counted once.
+  Norm weights are in N too (a rounding error).
+* ``12 L H Q T``: attention scores ``QK^T`` and the weighted sum ``AV``, 2
+  matmuls of ``H`` heads x head dim ``Q`` over ``T`` positions, per layer
+  ``L``: 2 x 2 x H Q T forward, twice that backward. Not halved for the
+  causal mask, as in PaLM, so numbers compare with published MFUs.
+
+**Peak** (per device = per rank): on a GPU, the dense bf16 tensor-core peak
+from ``GPU_PEAK_TFLOPS`` by device name; on a CPU, measured at job start by
+``measure_cpu_peak``: rank 0 alone (the others wait) times a square matmul
+in the job's compute dtype on the job's threads (``OMP_NUM_THREADS``, 1 in
+the guide), best of a few calls in about half a second. ``--peak-tflops``
+overrides both (a GPU that is not in the table; fp32/TF32 jobs on a GPU, as
+the table holds bf16 peaks).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: train.py's argument parser imports this module
+    import torch
+
+# Dense (no sparsity) bf16 peak per GPU, TFLOPS, from the vendors' data sheets. First match wins,
+# so the specific names come before the general ones. Extend it, or pass --peak-tflops.
+GPU_PEAK_TFLOPS: list[tuple[str, float]] = [
+    (r"\bGH200\b", 989.0),
+    (r"\bH200\b", 989.0),
+    (r"\bH100\b.*\bPCIe\b", 756.0),
+    (r"\bH100\b.*\bNVL\b", 835.0),
+    (r"\bH100\b", 989.0),  # SXM (the name reads e.g. "NVIDIA H100 80GB HBM3")
+    (r"\bH800\b", 989.0),
+    (r"\bA100\b", 312.0),
+    (r"\bA800\b", 312.0),
+    (r"\bL40S\b", 362.0),
+    (r"\bL4\b", 121.0),
+    (r"\bA10\b", 125.0),
+    (r"\bB200\b", 2250.0),
+    (r"\bMI300X\b", 1307.0),
+]
+
+CPU_BENCH_N = 512  # square matmul size: big enough for the best kernel, short in bf16 on a CPU without bf16 units
+CPU_BENCH_SECONDS = 0.5
+
+
+def embedding_params(model: torch.nn.Module) -> int:
+    """Elements of the embedding tables (lookups, no FLOPs), except a table shared with the output layer."""
+    import torch
+
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    shared = {id(out.weight)} if out is not None else set()
+    return sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
+               for p in m.parameters(recurse=False) if id(p) not in shared)
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
+    """Training FLOPs per token: 6 N (N without embeddings) + 12 L H Q T (see the module docstring)."""
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters()) - embedding_params(model)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 6 * n + 12 * cfg.num_hidden_layers * heads * head_dim * seq_len
+
+
+def gpu_peak(name: str) -> float | None:
+    """Dense bf16 peak FLOPs of a GPU named ``name`` (torch.cuda.get_device_name), or None if unknown."""
+    for pattern, tflops in GPU_PEAK_TFLOPS:
+        if re.search(pattern, name):
+            return tflops * 1e12
+    return None
+
+
+def measure_cpu_peak(dtype: torch.dtype, seconds: float = CPU_BENCH_SECONDS, n: int = CPU_BENCH_N) -> float:
+    """Best FLOP/s of an n x n matmul (``F.linear``, the op a Linear layer runs) on this process's threads."""
+    import torch
+
+    x, w = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    flops = 2 * n**3
+    torch.nn.functional.linear(x, w)  # first call: kernel selection, page faults
+    best, calls, t_end = 0.0, 0, time.perf_counter() + seconds
+    while calls < 3 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = max(best, flops / (time.perf_counter() - t0))
+        calls += 1
+    return best
+
+
+def device_peak(device: torch.device, dtype: torch.dtype, override_tflops: float | None) -> tuple[float | None, str]:
+    """(peak FLOP/s per device, where it came from). Call on every rank: on a CPU rank 0 measures alone."""
+    import torch
+
+    if override_tflops is not None:
+        return override_tflops * 1e12, f"--peak-tflops {override_tflops:g}"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = gpu_peak(name)
+        if peak is None:
+            return None, f"unknown GPU {name!r}: not in helpers.throughput.GPU_PEAK_TFLOPS; pass --peak-tflops"
+        return peak, f"table: {name}, dense bf16"
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if ranks > 1:
+        dist.barrier()  # everyone is past start-up: rank 0 measures a quiet machine
+    peak = measure_cpu_peak(dtype) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    if ranks > 1:
+        dist.barrier()
+    name = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
+    return peak, (f"measured: {CPU_BENCH_N}x{CPU_BENCH_N} {name} matmul, {torch.get_num_threads()} thread(s), "
+                  "rank 0 alone, best call")
+
+
+def fmt_flops(flops: float) -> str:
+    """``2.55 GFLOP/s``, ``989 TFLOP/s``."""
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops / 1e6:.3g} MFLOP/s"
+
+
+def compute_dtype(job) -> torch.dtype:
+    """The dtype the matmuls run in: bf16 with mixed precision or a bf16 model, else fp32."""
+    import torch
+
+    return torch.bfloat16 if job.mixed_precision == "bf16" or job.train.model_dtype == "bf16" else torch.float32
+
+
+def summary_keys(flops: int, tokens_per_s_per_rank: float | None, peak: float | None, source: str) -> dict:
+    """summary.json's throughput keys (see helpers.metrics.SUMMARY_KEYS)."""
+    mfu = None
+    if peak and tokens_per_s_per_rank and math.isfinite(tokens_per_s_per_rank):
+        mfu = flops * tokens_per_s_per_rank / peak
+    return {"flops_per_token": flops, "peak_flops": peak, "peak_flops_source": source, "mfu": mfu}
+
+
+def positive_tflops(text: str) -> float:
+    """argparse type for --peak-tflops: a finite number > 0."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"--peak-tflops = {text!r}: must be a number of TFLOPS > 0, the device's dense peak in the "
+            "compute dtype (e.g. 312 for an A100 in bf16)")
+    return value

@@ -178,6 +178,7 @@ class UpdateTracker:
         zero3 = engine.backend == "fsdp" or hasattr(next(engine.module.parameters()), "ds_tensor")
         self.enabled = num_params <= self.MAX_PARAMS and zero3
         self._before: list | None = None
+        self._buffers: list | None = None
 
     def _shards(self) -> list[tuple[torch.Tensor, torch.dtype]]:
         """(local values the optimizer updates, compute dtype) per parameter on this rank."""
@@ -195,8 +196,14 @@ class UpdateTracker:
 
     def before(self) -> None:
         """Copy the shards; call right before the step."""
-        if self.enabled:
-            self._before = [t.detach().clone() for t, _ in self._shards()]
+        if not self.enabled:
+            return
+        shards = [t.detach() for t, _ in self._shards()]
+        if self._buffers is None or [b.shape for b in self._buffers] != [t.shape for t in shards]:
+            self._buffers = [torch.empty_like(t) for t in shards]  # once: a fresh clone per step page-faults
+        for buf, t in zip(self._buffers, shards, strict=True):
+            buf.copy_(t)
+        self._before = self._buffers
 
     def after(self) -> dict:
         """The fractions for the step just taken (every rank calls this: it all-reduces)."""
@@ -204,8 +211,10 @@ class UpdateTracker:
             return {"updated_fraction": None, "updated_fraction_compute": None}
         counts = torch.zeros(3, dtype=torch.float64)
         for old, (new, dtype) in zip(self._before, self._shards(), strict=True):
-            counts[0] += (new != old).sum().item()
-            counts[1] += (new.to(dtype) != old.to(dtype)).sum().item()
+            # count_nonzero: several times faster than summing a bool tensor (which widens it to int64)
+            changed = torch.count_nonzero(new != old).item()
+            counts[0] += changed
+            counts[1] += changed if dtype == new.dtype else torch.count_nonzero(new.to(dtype) != old.to(dtype)).item()
             counts[2] += new.numel()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dev = next(self.engine.module.parameters()).device

@@ -147,7 +147,7 @@ def _nbytes(e: dict) -> int:
     args = e.get("args", {})
     sizes = []
     for dims, dtype in zip(args.get("Input Dims", []), args.get("Input type", []), strict=False):
-        if dims and all(isinstance(d, int) for d in dims) and dtype in DTYPE_BYTES:
+        if isinstance(dims, list) and all(isinstance(d, int) for d in dims) and dtype in DTYPE_BYTES:
             n = 1
             for d in dims:
                 n *= d
@@ -206,3 +206,15 @@ def busy_ms(run, rank: int = 0) -> dict:
                 end = e
         out[lane] = total
     return out
+
+
+def collective_table(runs, labels=None, rank: int = 0) -> pd.DataFrame:
+    """One row per run: collectives per step (first profiled step) and MB moved, plus peak allocated."""
+    rows = {}
+    for i, run in enumerate(runs):
+        c = collectives(run, rank).iloc[0]
+        label = labels[i] if labels else getattr(run, "name", str(run))
+        rows[label] = {"backend": run.summary["backend"] if hasattr(run, "summary") else None,
+                       **{k: int(c[k]) if k.endswith("s") else float(c[k]) for k in c.index},
+                       "peak_allocated_MB": peak_allocated(run)[rank] / 1e6}
+    return pd.DataFrame.from_dict(rows, orient="index")

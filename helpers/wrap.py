@@ -96,6 +96,26 @@ def units(model: torch.nn.Module, fsdp) -> list[Unit]:
     return out + [Unit("", type(model).__name__, rest)]
 
 
+def expected_collectives(unit_list: list[Unit], reshard_after_forward: bool, grad_accum: int = 1,
+                         param_bytes: int = 2) -> dict:
+    """FSDP2 collectives per optimizer step for these units (a unit without parameters has none).
+
+    Forward gathers every unit once; backward gathers again every inner unit that resharded after
+    forward (the root never does: its parameters are needed again at once); that per micro-batch.
+    Gradients are reduce-scattered once per unit, after the last micro-batch. Bytes: the unsharded
+    parameters in the dtype they are gathered in (``param_bytes``; bf16 under mixed precision).
+    """
+    groups = [u for u in unit_list if u.num_params > 0]
+    inner = [u for u in groups if u.name != ""]
+    again = inner if reshard_after_forward else []
+    return {
+        "all_gathers": grad_accum * (len(groups) + len(again)),
+        "all_gather_bytes": grad_accum * param_bytes * (sum(u.num_params for u in groups)
+                                                         + sum(u.num_params for u in again)),
+        "reduce_scatters": len(groups),
+    }
+
+
 def meta_model(spec):
     """The model's module tree on the meta device (no memory, no weights): for checks before launch."""
     from transformers import AutoModelForCausalLM

@@ -218,3 +218,30 @@ def collective_table(runs, labels=None, rank: int = 0) -> pd.DataFrame:
                        **{k: int(c[k]) if k.endswith("s") else float(c[k]) for k in c.index},
                        "peak_allocated_MB": peak_allocated(run)[rank] / 1e6}
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def annotation_start(run, name: str, step: int | None = None, rank: int = 0) -> float:
+    """ms (from the first profiled step) at which the first event called ``name`` starts in ``step``."""
+    tr, t0 = raw_trace(run, rank), _origin(run)
+    steps = _steps(tr)
+    step = int(steps[0]["name"].split("#")[1]) if step is None else step
+    hits = [e["ts"] for e in tr["traceEvents"] if e.get("ph") == "X" and e["name"] == name
+            and _step_of(e["ts"], steps) == step]
+    if not hits:
+        raise KeyError(f"{name!r}: no such event in step {step} of rank {rank}")
+    return (min(hits) - t0) / 1e3
+
+
+def overlap_ms(run, rank: int = 0) -> float:
+    """ms during which ``rank`` both computed and communicated (the overlap prefetch is for)."""
+    ev = events(run)
+    spans = {lane: sorted(zip(sub.start_ms, sub.end_ms, strict=True))
+             for lane, sub in ev[ev["rank"] == rank].groupby("lane")}
+    total = 0.0
+    comm = spans.get("comm", [])
+    for s, e in spans.get("compute", []):
+        for cs, ce in comm:
+            if cs >= e:
+                break
+            total += max(0.0, min(e, ce) - max(s, cs))
+    return total

@@ -180,6 +180,8 @@ def collectives(run, rank: int = 0) -> pd.DataFrame:
         sub = calls[calls.kind == kind]
         out[f"{kind}s"] = [int((sub.step == s).sum()) for s in steps]
         out[f"{kind}_MB"] = [float(sub[sub.step == s].bytes.sum()) / 1e6 for s in steps]
+        if kind == "all_gather":  # what one gather puts in memory at once
+            out["largest_all_gather_MB"] = [float(sub[sub.step == s].bytes.max()) / 1e6 for s in steps]
     return pd.DataFrame(out, index=pd.Index(steps, name="step"))
 
 

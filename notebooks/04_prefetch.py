@@ -50,11 +50,12 @@ from helpers import nb, plots, results, traces, wrap
 from helpers.config import load_job_config
 from helpers.models import resolve_model
 
-SIZE = nb.setup()  # "quick" under `make test`: the same cells, the tiny model
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
 GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
-MODEL = "tiny" if SIZE == "quick" else "small"
-ARGS = f"--model {MODEL} --steps 4 --micro-batch 4 --seq-len {32 if SIZE == 'quick' else 64} --profile"
+MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
+BATCH = "--micro-batch 4 --seq-len 32" if SIZE == "quick" else "--micro-batch 8 --seq-len 64"
+ARGS = f"--model {MODEL} --steps 4 {BATCH} --profile"  # --profile records steps 2 and 3
 os.environ.update(NPROC=str(NPROC), ARGS=ARGS, SIZE=SIZE)
 print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, gloo'}); {ARGS}")
 
@@ -231,9 +232,12 @@ fig.tight_layout()
 
 # %% [markdown]
 # **Reading it.** Smaller units mean more, smaller all-gathers; one unit means one gather of the
-# whole model and, during forward and backward, every rank holding all of it. Not resharding
-# after forward saves the backward gathers and keeps the blocks gathered in between. The counts
-# are exactly what the units predict:
+# whole model (`largest_all_gather_MB`) and, during forward and backward, every rank holding all
+# of it. Not resharding after forward saves the backward gathers and keeps the blocks gathered in
+# between. At this model size the allocator's peak is set by activations, and its differences
+# between unit choices (a few hundred kB) are within what it measures reliably on a CPU; with a
+# larger model (the `small` preset on a GPU) the gathered bytes dominate. The counts and sizes are
+# exactly what the units predict:
 
 # %%
 for k in wr:
@@ -242,7 +246,8 @@ for k in wr:
 assert utab.loc["no wrap", "all_gathers"] == 1 and utab.loc["no wrap", "units"] == 1
 assert utab.loc["size-based", "units"] > utab.loc["transformer blocks", "units"]
 assert utab.loc["size-based", "MB_per_all_gather"] < utab.loc["transformer blocks", "MB_per_all_gather"]
-assert utab.loc["no wrap", "peak_allocated_MB"] > utab.loc["transformer blocks", "peak_allocated_MB"]
+assert abs(utab.loc["no wrap", "largest_all_gather_MB"] - model_mb) < 1e-3  # the whole model at once
+assert utab.loc["transformer blocks", "largest_all_gather_MB"] < 0.6 * model_mb
 print("all-gathers per step (measured = expected): "
       + ", ".join(f"{k} {int(utab.loc[k, 'all_gathers'])}" for k in wr))
 

@@ -56,6 +56,7 @@ class TrainOptions:
     # "auto" (resolved at load time, see resolve_model_dtype): bf16, as in the seeds'
     # `from_pretrained(..., dtype=bfloat16)`; fp32 for DeepSpeed with bf16 disabled.
     model_dtype: ModelDtype = "auto"
+    compile: bool = False  # torch.compile each transformer block (FSDP2) / the engine (DeepSpeed)
 
 
 @dataclass
@@ -288,6 +289,9 @@ def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPO
     ]:
         if key in sec:
             setattr(o, attr, sec[key])
+    if version == 2 and ("fsdp_forward_prefetch" in sec or "fsdp_backward_prefetch" in sec):
+        notes.append("fsdp_forward_prefetch / fsdp_backward_prefetch: accelerate launch ignores them under "
+                     "fsdp_version 2; this guide maps them onto FSDP2's explicit prefetch (helpers.backends.fsdp)")
     if o.min_num_params < 0:
         c.fail(f"fsdp_config.fsdp_min_num_params = {o.min_num_params}: must be >= 0")
 
@@ -464,7 +468,7 @@ def _train_options(c: _Checker, overrides: dict) -> TrainOptions:
     t = TrainOptions()
     rules = {"model": str, "steps": int, "lr": float, "seed": int, "micro_batch": int,
              "seq_len": int, "grad_accum": int, "grad_clip": float, "weight_decay": float, "timeout": float,
-             "model_dtype": ["auto", "bf16", "fp32"]}
+             "model_dtype": ["auto", "bf16", "fp32"], "compile": bool}
     for k, v in overrides.items():
         if v is None:
             continue

@@ -88,6 +88,8 @@ SUMMARY_KEYS = {
               "rank 0: loaded, stored_param, master_param, optimizer_param, forward_weight, "
               "grad_before_reduce, reduce_dtype, stored_grad, optimizer_grad, optimizer_states "
               "(helpers.precision.DtypeProbe)",
+    "profiled_steps": "steps recorded by --profile in DIR/trace_rank{r}.json (helpers.profiling); "
+                      "absent without --profile",
     "device": '"cpu" or the GPU name',
     "dist_backend": '"gloo" or "nccl"',
     "versions": "torch, deepspeed, transformers versions",

@@ -134,3 +134,62 @@ def run_memory_bars(runs: list[Run], labels: list[str] | None = None, ax=None, r
     ax.set(ylabel="MB", title=f"what rank {rank} holds after backward (helpers.memory)")
     ax.legend()
     return ax
+
+
+LANE_COLORS = {"compute": "#4c72b0", "comm": "#dd8452"}
+PHASE_COLORS = {"forward": "#e8f1fa", "backward": "#fdeee4", "optimizer_step": "#eeeeee"}
+
+
+def timeline(runs: list[Run], labels: list[str] | None = None, step: int | None = None, axes=None):
+    """Per-rank lanes of compute and communication from ``--profile`` traces, one panel per run
+    (pass FSDP first: it is drawn on top), all on one time axis: ms from the start of the step.
+
+    ``step``: which profiled step (default: the first). Shaded bands: rank 0's forward, backward
+    and optimizer step (``guide::*``). Communication = gloo's transfers on its own threads (NCCL
+    kernels on a GPU); compute = the training thread's top-level operators (helpers.traces).
+    """
+    from . import traces
+
+    labels = labels or [r.label for r in runs]
+    if axes is None:
+        _, axes = plt.subplots(len(runs), 1, sharex=True, figsize=(10, 1.2 + 1.1 * len(runs)), squeeze=False)
+        axes = axes[:, 0]
+    for ax, run, label in zip(axes, runs, labels, strict=True):
+        ev, ph = traces.events(run), traces.phases(run)
+        s = step if step is not None else int(ev.step.min())
+        ev, ph = ev[ev.step == s], ph[ph.step == s]
+        t0 = ph.start_ms.min() if len(ph) else ev.start_ms.min()
+        nranks = int(ev["rank"].max()) + 1
+        for _, p in ph[ph["rank"] == 0].iterrows():
+            ax.axvspan(p.start_ms - t0, p.end_ms - t0, color=PHASE_COLORS[p.phase], zorder=0)
+            ax.text((p.start_ms + p.end_ms) / 2 - t0, 2 * nranks - 0.35, p.phase, ha="center", va="bottom",
+                    fontsize=7, color="#555")
+        ticks, names = [], []
+        for r in range(nranks):
+            for i, lane in enumerate(("compute", "comm")):
+                y = 2 * (nranks - 1 - r) + (1 - i)
+                sub = ev[(ev["rank"] == r) & (ev.lane == lane)]
+                bars = list(zip(sub.start_ms - t0, sub.end_ms - sub.start_ms, strict=True))
+                ax.broken_barh(bars, (y - 0.35, 0.7), color=LANE_COLORS[lane], linewidth=0)
+                ticks.append(y)
+                names.append(f"rank {r} {lane}")
+        ax.set_yticks(ticks, names, fontsize=8)
+        ax.set_ylim(-0.6, 2 * nranks)
+        ax.grid(False)
+        ax.set_title(f"{label}: step {s}", fontsize=10, loc="left")
+    axes[-1].set_xlabel("ms from the start of the step")
+    return axes
+
+
+def collective_bars(table, ax=None):
+    """All-gathers and reduce-scatters per step, one group of bars per setting (``traces.collective_table``)."""
+    import numpy as np
+
+    ax = ax or plt.subplots()[1]
+    x = np.arange(len(table))
+    ax.bar(x - 0.2, table["all_gathers"], width=0.4, label="all-gathers", color="#4c72b0")
+    ax.bar(x + 0.2, table["reduce_scatters"], width=0.4, label="reduce-scatters", color="#dd8452")
+    ax.set_xticks(x, table.index, rotation=20, ha="right", fontsize=8)
+    ax.set(ylabel="per step", title="collectives per step (rank 0)")
+    ax.legend()
+    return ax

@@ -54,6 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "DeepSpeed without bf16), bf16, fp32")
     ap.add_argument("--peak-tflops", type=positive_tflops, help="the device's peak TFLOPS for MFU (default: "
                     "a table of GPUs; measured on a CPU), see helpers.throughput")
+    ap.add_argument("--compile", action="store_true", default=None,
+                    help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler trace per rank of a few steps "
+                    "after warm-up into the run directory (helpers.profiling)")
     return ap.parse_args(argv)
 
 
@@ -99,6 +103,10 @@ def versions() -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.profile:
+        from .profiling import quiet_cpp_warnings
+
+        quiet_cpp_warnings()  # before torch is imported
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
 
@@ -107,7 +115,7 @@ def main(argv=None) -> int:
     from .guard import JobGuard
 
     overrides = {k: getattr(args, k) for k in ("model", "steps", "lr", "seed", "micro_batch", "seq_len",
-                                               "grad_accum", "grad_clip", "timeout", "model_dtype")}
+                                               "grad_accum", "grad_clip", "timeout", "model_dtype", "compile")}
     try:
         job = load_job_config(args.config, overrides, world_size=world_size)
         from .models import model_config, resolve_model  # imports torch: after the quick checks
@@ -116,6 +124,7 @@ def main(argv=None) -> int:
         if spec.kind != "preset":
             model_config(spec)  # a config.json that transformers cannot read is bad input too
         resolved, ds_filled = resolve_job(job, world_size)
+        check_observers(job, spec, args)  # --profile needs enough steps; the FSDP wrap classes exist
         guard = JobGuard(args.out, rank, world_size, timeout=job.train.timeout)
         if rank == 0:
             guard.claim()  # --out: not a file, not another job's, not someone's directory
@@ -146,6 +155,7 @@ def main(argv=None) -> int:
     from .metrics import RunDir, Timer, summarize_steps
     from .models import build_model, count_params, synthetic_batch
     from .precision import DtypeProbe, UpdateTracker
+    from .profiling import StepProfiler
     from .progress import Progress
     from .throughput import compute_dtype, device_peak, flops_per_token, fmt_flops, summary_keys
 
@@ -209,6 +219,7 @@ def main(argv=None) -> int:
         run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
                 f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
 
+        profiler = StepProfiler(args.out, rank, enabled=args.profile, use_cuda=use_cuda)
         every = max(1, t.steps // 10)
         bar = Progress(t.steps, active=rank == 0)
         for step in range(t.steps):
@@ -225,6 +236,7 @@ def main(argv=None) -> int:
             with Timer(device) as timer:
                 loss, grad_norm = engine.train_step(batches, probe if step == probe_step else None)
             peak.sample()
+            profiler.step()
             if step == probe_step:
                 summary.update(memory_summary(job, probe, peak, summary["num_params"], t.micro_batch))
             dist.all_reduce(loss)
@@ -243,6 +255,8 @@ def main(argv=None) -> int:
         bar.close()
         summary["peak_memory_bytes"] = gather(peak.peak)
         summary["dtypes"] = dtypes.result()
+        if args.profile:
+            summary["profiled_steps"] = profiler.finish()
         summary.update(status="completed", steps=len(records), **summarize_steps(records, tokens_per_rank_step))
         summary.update(summary_keys(flops, summary["tokens_per_s_per_rank"], peak_flops, peak_source))
     except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
@@ -314,6 +328,20 @@ def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
         except ValueError as e:
             raise ConfigError(f"{job.source}: {e}") from None
     return resolved, filled
+
+
+def check_observers(job, spec, args) -> None:
+    """Bad --profile / wrap-policy input is refused before any rank starts (raises ConfigError)."""
+    from .config import ConfigError
+    from .profiling import MIN_STEPS
+
+    if args.profile and job.train.steps < MIN_STEPS:
+        raise ConfigError(f"--steps = {job.train.steps}: --profile records steps after warm-up and needs "
+                          f"--steps >= {MIN_STEPS}")
+    if job.backend == "fsdp":
+        from .wrap import check_wrap_policy
+
+        check_wrap_policy(job, spec)
 
 
 def mode_name(job) -> str:

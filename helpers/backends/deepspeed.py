@@ -18,6 +18,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from ..config import JobConfig
 
@@ -58,6 +59,8 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
         model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
     )
     engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if job.train.compile:
+        engine.compile()  # torch.compile of the wrapped module, ZeRO's hooks kept outside the graph
     return DeepSpeedEngine(engine, optimizer)
 
 
@@ -77,12 +80,14 @@ class DeepSpeedEngine:
         """Forward/backward every micro-batch, then one optimizer step. ``probe``: see helpers.memory."""
         total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
         for i, ids in enumerate(batches):
-            with probe.forward(i) if probe else nullcontext():
+            with probe.forward(i) if probe else nullcontext(), record_function("guide::forward"):
                 loss = self.engine(input_ids=ids, labels=ids).loss
-            self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps
+            with record_function("guide::backward"):
+                self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps
             if probe and i == len(batches) - 1:
                 probe.after_backward(self)  # gradients reduced, optimizer not yet stepped
-            self.engine.step()  # steps the optimizer on the last micro-batch only
+            with record_function("guide::optimizer_step"):
+                self.engine.step()  # steps the optimizer on the last micro-batch only
             total += loss.detach().float()
         norm = self.engine.get_global_grad_norm()
         return total / len(batches), float(norm if norm is not None else float("nan"))

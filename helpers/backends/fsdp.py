@@ -18,6 +18,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import (
 
 from ..config import JobConfig
 from ..models import decoder_layers
+from ..wrap import wrap_modules
 
 
 def fsdp_mesh(job: JobConfig, world_size: int, device_type: str):
@@ -57,14 +59,40 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
         # pinned host memory needs an accelerator; on a CPU-only box offload moves nothing
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     kw = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
-    if o.auto_wrap_policy != "NO_WRAP":
+    if job.train.compile:
         for block in decoder_layers(model):
-            fully_shard(block, reshard_after_forward=o.reshard_after_forward, **kw)
-    fully_shard(model, reshard_after_forward=o.reshard_after_forward, **kw)
+            block.compile()  # in place, before sharding; FSDP2's hooks run eagerly around the graph
+    inner = [m for _, m in wrap_modules(model, o)]  # fsdp_auto_wrap_policy (helpers.wrap)
+    for m in reversed(inner):  # inner units before the modules that contain them
+        fully_shard(m, reshard_after_forward=o.reshard_after_forward, **kw)
+    # the root's params (embeddings, final norm, head when not wrapped) are needed again at once in
+    # backward: FSDP2's default (None) keeps them gathered after forward
+    fully_shard(model, reshard_after_forward=None if o.reshard_after_forward else False, **kw)
+    set_prefetch(model, inner, o)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
     )
     return FSDPEngine(model, optimizer, mesh, job.train.grad_clip)
+
+
+def set_prefetch(model, inner: list, o) -> None:
+    """Accelerate's prefetch keys on FSDP2's explicit prefetch (Accelerate itself ignores them for FSDP2).
+
+    ``fsdp_forward_prefetch: true``: each unit, as its forward starts, also issues the all-gather of
+    the next unit in forward order (the root starts the first). Without it, a unit is gathered when
+    its own forward starts.
+    ``fsdp_backward_prefetch``: ``BACKWARD_PRE`` (and ``BACKWARD_POST``, which FSDP2 does not
+    distinguish) is FSDP2's default: as a unit's backward starts, it gathers the unit that runs next.
+    ``NO_PREFETCH``: each unit's explicit backward-prefetch list names only itself (already gathered),
+    which turns the default off: a unit is gathered when its own backward starts.
+    """
+    if o.forward_prefetch:
+        chain = [model, *inner]
+        for unit, nxt in zip(chain[:-1], chain[1:], strict=True):
+            unit.set_modules_to_forward_prefetch([nxt])
+    if o.backward_prefetch == "NO_PREFETCH":
+        for unit in [model, *inner]:
+            unit.set_modules_to_backward_prefetch([unit])
 
 
 class FSDPEngine:
@@ -86,17 +114,19 @@ class FSDPEngine:
         for i, ids in enumerate(batches):
             # gradients are reduce-scattered only after the last micro-batch
             self.model.set_requires_gradient_sync(i == n - 1)
-            with probe.forward(i) if probe else nullcontext():
+            with probe.forward(i) if probe else nullcontext(), record_function("guide::forward"):
                 loss = self.model(input_ids=ids, labels=ids).loss
-            (loss / n).backward()
+            with record_function("guide::backward"):
+                (loss / n).backward()
             total += loss.detach().float()
         if probe:
             probe.after_backward(self)
-        norm = self._grad_norm()
-        if self.grad_clip > 0:
-            self._clip(norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("guide::optimizer_step"):
+            norm = self._grad_norm()
+            if self.grad_clip > 0:
+                self._clip(norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return total / n, float(norm)
 
     def _grad_norm(self) -> torch.Tensor:

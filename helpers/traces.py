@@ -1,0 +1,249 @@
+"""Read the ``--profile`` traces of a run (helpers.profiling): who communicated, who computed, when.
+
+``events(run)``  one row per interval: rank, lane (``comm`` / ``compute``), name, start and end in
+                 ms from the start of the first profiled step (ranks share one host clock).
+``phases(run)``  the ``guide::forward`` / ``guide::backward`` / ``guide::optimizer_step`` spans.
+``collectives(run)``  count and bytes of all-gathers, reduce-scatters and all-reduces per step
+                 and rank, read from the collective calls themselves (``c10d::*``).
+``peak_allocated(run)``  per rank, the most bytes the allocator held during the profiled steps.
+
+What counts as what (on CPU, gloo):
+  * communication: ``gloo:*`` events on gloo's own threads (``pt_gloo_runloop``), the time the
+    bytes are on the wire. On a GPU: the NCCL kernels.
+  * compute: the operators the training thread runs at top level, minus the ``c10d::*`` calls
+    that hand work to gloo and wait for it. On a GPU: every other kernel.
+On gloo, a reduce-scatter runs as an all-reduce on the wire (``gloo:all_reduce``); the call on the
+training thread (``c10d::_reduce_scatter_base_``) says what it is, so counts come from the calls.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+
+from .profiling import trace_path
+
+# the collective calls the training thread makes, by kind; bytes = the larger (unsharded) tensor
+KINDS = {
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::allreduce_": "all_reduce",
+    "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::broadcast_": "broadcast",
+    "c10d::allgather_": "other",  # list form: the guide's own bookkeeping, not parameters
+    "c10d::barrier": "other",
+}
+DTYPE_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "double": 8, "long int": 8, "int": 4,
+               "signed char": 1, "unsigned char": 1, "bool": 1, "c10::Float8_e4m3fn": 1}
+PHASES = ("guide::forward", "guide::backward", "guide::optimizer_step")
+
+
+def _run_path(run) -> Path:
+    return Path(getattr(run, "path", run))
+
+
+@lru_cache(maxsize=32)
+def _load(path: str, mtime: float) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def raw_trace(run, rank: int) -> dict:
+    """The Chrome-trace dict rank ``rank`` wrote (cached while the file is unchanged)."""
+    p = trace_path(_run_path(run), rank)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no trace; was the run started with --profile?")
+    return _load(str(p), p.stat().st_mtime)
+
+
+def ranks(run) -> list[int]:
+    return sorted(int(m.group(1)) for p in _run_path(run).glob("trace_rank*.json")
+                  if (m := re.fullmatch(r"trace_rank(\d+)\.json", p.name)))
+
+
+def _gloo_threads(trace: dict) -> set:
+    """Threads ever named pt_gloo_runloop (a thread can carry several names in one trace)."""
+    return {e["tid"] for e in trace["traceEvents"] if e.get("ph") == "M" and e.get("name") == "thread_name"
+            and "pt_gloo_runloop" in e["args"]["name"]}
+
+
+def _steps(trace: dict) -> list[dict]:
+    return sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")),
+                  key=lambda e: e["ts"])
+
+
+def _origin(run) -> float:
+    """Start of the first profiled step, earliest over ranks (us)."""
+    return min(_steps(raw_trace(run, r))[0]["ts"] for r in ranks(run))
+
+
+def _main_tid(trace: dict):
+    return _steps(trace)[0]["tid"]
+
+
+def _step_of(ts: float, steps: list[dict]) -> int | None:
+    for s in steps:
+        if s["ts"] <= ts <= s["ts"] + s["dur"]:
+            return int(s["name"].split("#")[1])
+    return None
+
+
+def _top_level(evs: list[dict]) -> list[dict]:
+    """Events not inside another event of the list (same thread)."""
+    out, end = [], -1.0
+    for e in sorted(evs, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end:
+            out.append(e)
+            end = e["ts"] + e["dur"]
+    return out
+
+
+def events(run) -> pd.DataFrame:
+    """Communication and compute intervals of every rank, in ms from the first profiled step."""
+    t0, rows = _origin(run), []
+    for r in ranks(run):
+        tr = raw_trace(run, r)
+        evs = [e for e in tr["traceEvents"] if e.get("ph") == "X"]
+        steps, gloo = _steps(tr), _gloo_threads(tr)
+        kernels = [e for e in evs if e.get("cat") == "kernel"]
+        if kernels:  # GPU: what the device did
+            chosen = [("comm" if "nccl" in e["name"].lower() else "compute", e) for e in kernels]
+        else:
+            comm = [e for e in evs if e["name"].startswith("gloo:") and e["tid"] in gloo]
+            main = _main_tid(tr)
+            ops = _top_level([e for e in evs if e.get("cat") == "cpu_op" and e["tid"] == main])
+            chosen = [("comm", e) for e in comm] + [("compute", e) for e in ops if not e["name"].startswith("c10d::")]
+        for lane, e in chosen:
+            step = _step_of(e["ts"], steps)
+            if step is None:
+                continue
+            rows.append({"rank": r, "lane": lane, "name": e["name"], "step": step,
+                         "start_ms": (e["ts"] - t0) / 1e3, "end_ms": (e["ts"] + e["dur"] - t0) / 1e3})
+    return pd.DataFrame(rows, columns=["rank", "lane", "name", "step", "start_ms", "end_ms"])
+
+
+def phases(run) -> pd.DataFrame:
+    """forward / backward / optimizer_step spans per rank and step (ms from the first profiled step)."""
+    t0, rows = _origin(run), []
+    for r in ranks(run):
+        tr = raw_trace(run, r)
+        steps = _steps(tr)
+        for e in tr["traceEvents"]:
+            if e.get("ph") == "X" and e["name"] in PHASES:
+                step = _step_of(e["ts"], steps)
+                if step is not None:
+                    rows.append({"rank": r, "phase": e["name"].split("::")[1], "step": step,
+                                 "start_ms": (e["ts"] - t0) / 1e3, "end_ms": (e["ts"] + e["dur"] - t0) / 1e3})
+    return pd.DataFrame(rows, columns=["rank", "phase", "step", "start_ms", "end_ms"])
+
+
+def _nbytes(e: dict) -> int:
+    args = e.get("args", {})
+    sizes = []
+    for dims, dtype in zip(args.get("Input Dims", []), args.get("Input type", []), strict=False):
+        if isinstance(dims, list) and all(isinstance(d, int) for d in dims) and dtype in DTYPE_BYTES:
+            n = 1
+            for d in dims:
+                n *= d
+            sizes.append(n * DTYPE_BYTES[dtype])
+    return max(sizes[:2], default=0)
+
+
+def collective_calls(run) -> pd.DataFrame:
+    """Every collective call on the training thread: rank, step, kind, op, bytes (unsharded size)."""
+    rows = []
+    for r in ranks(run):
+        tr = raw_trace(run, r)
+        steps, main = _steps(tr), _main_tid(tr)
+        for e in tr["traceEvents"]:
+            if e.get("ph") == "X" and e.get("tid") == main and e["name"] in KINDS:
+                step = _step_of(e["ts"], steps)
+                if step is not None:
+                    rows.append({"rank": r, "step": step, "kind": KINDS[e["name"]], "op": e["name"],
+                                 "bytes": _nbytes(e)})
+    return pd.DataFrame(rows, columns=["rank", "step", "kind", "op", "bytes"])
+
+
+def collectives(run, rank: int = 0) -> pd.DataFrame:
+    """Per profiled step: count and MB of all-gathers, reduce-scatters and all-reduces on ``rank``."""
+    calls = collective_calls(run)
+    calls = calls[calls["rank"] == rank]
+    steps = sorted(calls["step"].unique())
+    out = {}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        sub = calls[calls.kind == kind]
+        out[f"{kind}s"] = [int((sub.step == s).sum()) for s in steps]
+        out[f"{kind}_MB"] = [float(sub[sub.step == s].bytes.sum()) / 1e6 for s in steps]
+        if kind == "all_gather":  # what one gather puts in memory at once
+            out["largest_all_gather_MB"] = [float(sub[sub.step == s].bytes.max()) / 1e6 for s in steps]
+    return pd.DataFrame(out, index=pd.Index(steps, name="step"))
+
+
+def peak_allocated(run) -> list[int]:
+    """Per rank: the most bytes the allocator held during the profiled steps (``[memory]`` events)."""
+    out = []
+    for r in ranks(run):
+        tr = raw_trace(run, r)
+        mem = [e["args"].get("Total Allocated", 0) for e in tr["traceEvents"] if e.get("name") == "[memory]"]
+        out.append(int(max(mem, default=0)))
+    return out
+
+
+def busy_ms(run, rank: int = 0) -> dict:
+    """Per lane: ms of the profiled steps covered by at least one interval (overlaps merged)."""
+    ev = events(run)
+    out = {}
+    for lane in ("comm", "compute"):
+        sub = ev[(ev["rank"] == rank) & (ev.lane == lane)].sort_values("start_ms")
+        total, end = 0.0, float("-inf")
+        for s, e in zip(sub.start_ms, sub.end_ms, strict=True):
+            if e > end:
+                total += e - max(s, end)
+                end = e
+        out[lane] = total
+    return out
+
+
+def collective_table(runs, labels=None, rank: int = 0) -> pd.DataFrame:
+    """One row per run: collectives per step (first profiled step) and MB moved, plus peak allocated."""
+    rows = {}
+    for i, run in enumerate(runs):
+        c = collectives(run, rank).iloc[0]
+        label = labels[i] if labels else getattr(run, "name", str(run))
+        rows[label] = {"backend": run.summary["backend"] if hasattr(run, "summary") else None,
+                       **{k: int(c[k]) if k.endswith("s") else float(c[k]) for k in c.index},
+                       "peak_allocated_MB": peak_allocated(run)[rank] / 1e6}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def annotation_start(run, name: str, step: int | None = None, rank: int = 0) -> float:
+    """ms (from the first profiled step) at which the first event called ``name`` starts in ``step``."""
+    tr, t0 = raw_trace(run, rank), _origin(run)
+    steps = _steps(tr)
+    step = int(steps[0]["name"].split("#")[1]) if step is None else step
+    hits = [e["ts"] for e in tr["traceEvents"] if e.get("ph") == "X" and e["name"] == name
+            and _step_of(e["ts"], steps) == step]
+    if not hits:
+        raise KeyError(f"{name!r}: no such event in step {step} of rank {rank}")
+    return (min(hits) - t0) / 1e3
+
+
+def overlap_ms(run, rank: int = 0) -> float:
+    """ms during which ``rank`` both computed and communicated (the overlap prefetch is for)."""
+    ev = events(run)
+    spans = {lane: sorted(zip(sub.start_ms, sub.end_ms, strict=True))
+             for lane, sub in ev[ev["rank"] == rank].groupby("lane")}
+    total = 0.0
+    comm = spans.get("comm", [])
+    for s, e in spans.get("compute", []):
+        for cs, ce in comm:
+            if cs >= e:
+                break
+            total += max(0.0, min(e, ce) - max(s, cs))
+    return total

@@ -1,0 +1,311 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Prefetch, units and compile: when the bytes move, seen on per-rank timelines
+#
+# **The question.** A sharded model must gather its parameters before it can compute with them.
+# FSDP lets you say *when* (explicit forward/backward prefetch, resharding after forward) and
+# *in what pieces* (the wrap policy: which modules are units). DeepSpeed ZeRO-3 decides both by
+# thresholds (`stage3_prefetch_bucket_size`, `stage3_max_live_parameters`, ...), parameter by
+# parameter. What does each setting change in the order, number and size of collectives, and
+# what does it cost in memory?
+#
+# **What we run.** Short jobs with `--profile`: every rank records a `torch.profiler` trace of
+# two steps after warm-up (`notebooks/runs/04_*/trace_rank{r}.json`). We read the traces
+# (`helpers.traces`) and draw, per rank, what the training thread computed and what went over
+# the wire (`helpers.plots.timeline`).
+#
+# | setting | config |
+# |---|---|
+# | FSDP, no prefetch | `launch_configs/fsdp/full_shard_no_prefetch.yaml` |
+# | FSDP, forward + backward prefetch | `launch_configs/fsdp/full_shard_prefetch.yaml` |
+# | ZeRO-3, no prefetch, release after use | `launch_configs/deepspeed/zero3_no_prefetch.yaml` |
+# | ZeRO-3, prefetch by thresholds | `launch_configs/deepspeed/zero3_prefetch.yaml` |
+# | FSDP units: size-based, none, no reshard | `fsdp/full_shard_size_wrap.yaml`, `fsdp/full_shard_no_wrap.yaml`, `fsdp/shard_grad_op.yaml` |
+#
+# **An honest word about this machine.** On a GPU, collectives run on their own CUDA stream, so a
+# prefetched all-gather really travels while the previous layer computes: that is the point of
+# prefetch. On a CPU there are no streams. Gloo runs each collective on its own thread, so an
+# all-gather issued early can proceed while the training thread computes, but all of it shares
+# the same few cores. Here prefetch mostly *reorders* the collectives; the traces show the new
+# order exactly, and the step times do not show a gain. The same cells on a GPU show the overlap.
+
+# %%
+import os
+
+from helpers import nb, plots, results, traces, wrap
+from helpers.config import load_job_config
+from helpers.models import resolve_model
+
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
+GPUS = nb.gpu_count()
+NPROC = GPUS if GPUS else 2
+MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
+BATCH = "--micro-batch 4 --seq-len 32" if SIZE == "quick" else "--micro-batch 8 --seq-len 64"
+ARGS = f"--model {MODEL} --steps 4 {BATCH} --profile"  # --profile records steps 2 and 3
+os.environ.update(NPROC=str(NPROC), ARGS=ARGS, SIZE=SIZE)
+print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, gloo'}); {ARGS}")
+
+# %% [markdown]
+# ## 1 · Prefetch on and off, both backends
+#
+# The FSDP pair differs only in `fsdp_forward_prefetch` / `fsdp_backward_prefetch`; the ZeRO-3
+# pair in its `stage3_*` thresholds and `overlap_comm` (open the JSON files to see them). Both
+# ZeRO-3 configs set `stage3_param_persistence_threshold: 0`, so every parameter is sharded, as
+# in FSDP.
+
+# %% language="bash"
+# for cfg in fsdp/full_shard_no_prefetch fsdp/full_shard_prefetch deepspeed/zero3_no_prefetch deepspeed/zero3_prefetch; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$cfg.yaml \
+#         --out notebooks/runs/04_$(basename $cfg) $ARGS | tail -n 1
+# done
+
+# %%
+PF = {"FSDP no prefetch": "04_full_shard_no_prefetch", "FSDP prefetch": "04_full_shard_prefetch",
+      "ZeRO-3 no prefetch": "04_zero3_no_prefetch", "ZeRO-3 prefetch": "04_zero3_prefetch"}
+pf = {k: results.load_run(f"notebooks/runs/{v}") for k, v in PF.items()}
+plots.timeline(list(pf.values()), labels=list(pf));
+
+# %% [markdown]
+# **Reading it.** Each panel is one step; per rank, the upper lane is compute (the training
+# thread's operators), the lower lane communication (gloo's transfers); shaded: forward,
+# backward, optimizer step. FSDP gathers one unit (a decoder block, or the root: embeddings,
+# final norm, head) at a time. ZeRO-3 without prefetch gathers every parameter tensor on its
+# own, in forward and again in backward: many small transfers. ZeRO-3 with its default-sized
+# prefetch bucket (5e7 elements, bigger than this whole model) fetches everything in the first
+# gather and, with `stage3_max_live_parameters` above the model size, keeps it until the step
+# ends: one all-gather per step.
+#
+# None of this changes the numbers: all four runs train identically.
+
+# %%
+losses = {k: r.summary["losses"] for k, r in pf.items()}
+assert len({tuple(v) for v in losses.values()}) == 1, losses  # prefetch moves bytes earlier, not values
+print("same losses in all four runs:", [round(x, 4) for x in losses["FSDP prefetch"]])
+
+# %% [markdown]
+# ### What FSDP's prefetch reorders
+#
+# FSDP2 marks its work in the trace (`FSDP::all_gather (model.layers.1)`,
+# `FSDP::post_forward (model.layers.0)`, ...). Without forward prefetch, block 1 is gathered when
+# its own forward starts, after block 0 has finished; with it, block 0's forward first issues
+# block 1's all-gather (`set_modules_to_forward_prefetch`), so the gather is under way while
+# block 0 computes.
+
+# %%
+def gather_vs_compute(run):
+    """ms: when block 1's all-gather starts, when block 0's forward ends (rank 0, first profiled step)."""
+    return (traces.annotation_start(run, "FSDP::all_gather (model.layers.1)"),
+            traces.annotation_start(run, "FSDP::post_forward (model.layers.0)"))
+
+
+for name in ("FSDP no prefetch", "FSDP prefetch"):
+    ag, done = gather_vs_compute(pf[name])
+    print(f"{name:17s} block 1 gathered at {ag:7.1f} ms, block 0 forward done at {done:7.1f} ms")
+ag, done = gather_vs_compute(pf["FSDP no prefetch"])
+assert ag > done
+ag, done = gather_vs_compute(pf["FSDP prefetch"])
+assert ag < done
+
+# %% [markdown]
+# ## 2 · Collectives per step, checked against the units
+#
+# FSDP's count follows from its units: forward gathers each unit once; backward gathers again
+# every block that resharded after forward (the root keeps its parameters, needed again at
+# once); gradients are reduce-scattered once per unit. Prefetch changes *when*, not *how many*.
+# `helpers.wrap.expected_collectives` writes that down; the table is what the traces counted
+# (rank 0, one step; MB = unsharded bytes moved, bf16 for gathers).
+
+# %%
+tab = traces.collective_table(list(pf.values()), labels=list(pf))
+tab["step_time_ms"] = [r.summary["step_time_s"] * 1e3 for r in pf.values()]
+tab.round(2)
+
+# %%
+units_tf = wrap.check_wrap_policy(load_job_config("launch_configs/fsdp/full_shard_prefetch.yaml"),
+                                  resolve_model(MODEL))
+want = wrap.expected_collectives(units_tf, reshard_after_forward=True)
+n_tensors = len(list(wrap.meta_model(resolve_model(MODEL)).parameters()))
+for name in ("FSDP no prefetch", "FSDP prefetch"):
+    assert tab.loc[name, "all_gathers"] == want["all_gathers"], (name, tab.loc[name], want)
+    assert tab.loc[name, "reduce_scatters"] == want["reduce_scatters"]
+    assert abs(tab.loc[name, "all_gather_MB"] * 1e6 - want["all_gather_bytes"]) < 1e3
+assert tab.loc["ZeRO-3 no prefetch", "all_gathers"] == 2 * n_tensors  # every tensor, forward and backward
+assert tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1
+print(f"FSDP: {len(units_tf)} units -> {want['all_gathers']} all-gathers, {want['reduce_scatters']} "
+      f"reduce-scatters per step, as counted; ZeRO-3: {2 * n_tensors} gathers without prefetch "
+      f"({n_tensors} tensors x 2), 1 with it")
+
+# %% [markdown]
+# ## 3 · Memory is the price of prefetch
+#
+# A prefetched unit is gathered earlier, so it is held longer, next to the one computing.
+# ZeRO-3's big prefetch bucket brings the whole model in with its first gather and keeps it to
+# the end of the step; without prefetch (and with `stage3_max_live_parameters: 0`) it holds one
+# parameter tensor at a time. FSDP's prefetch holds at most one more unit than FSDP without it.
+# `largest_all_gather_MB` (from the traces) is what one gather puts in memory at once.
+#
+# `peak_allocated_MB` is the most the allocator held during the profiled steps (the CPU stand-in
+# for `torch.cuda.max_memory_allocated`). At this model size it is set by activations and
+# varies by about a megabyte between ranks and runs on a CPU, more than the gathered
+# parameters weigh here, so we show it and claim nothing from it; on a GPU with the `small`
+# preset the gathered bytes dominate.
+
+# %%
+model_mb = sum(u.num_params for u in units_tf) * 2 / 1e6  # the whole model in bf16
+block_mb = max(u.num_params for u in units_tf if u.name) * 2 / 1e6  # one decoder block in bf16
+big = tab["largest_all_gather_MB"]
+print(f"one gather brings in at most: ZeRO-3 prefetch {big['ZeRO-3 prefetch']:.3f} MB (whole model {model_mb:.3f}), "
+      f"ZeRO-3 no prefetch {big['ZeRO-3 no prefetch']:.3f} MB (one tensor); FSDP {big['FSDP prefetch']:.3f} MB "
+      f"(the root); prefetch holds one more block: {block_mb:.3f} MB")
+assert abs(big["ZeRO-3 prefetch"] - model_mb) < 1e-3
+assert big["ZeRO-3 no prefetch"] < 0.3 * model_mb
+assert big["FSDP prefetch"] == big["FSDP no prefetch"] < 0.6 * model_mb
+
+# %% [markdown]
+# **Step time.** On this CPU the differences in `step_time_ms` above are within the noise of a
+# shared machine (we make no claim about them); the ratio to "no prefetch" is what to compare
+# on a GPU, where a prefetched gather hides behind compute.
+#
+# ### Compute and communication at the same time
+#
+# The time a rank was both computing and communicating (`traces.overlap_ms`). On a CPU part
+# of it is gloo's thread waiting for the other rank while this one computes; on a GPU it is
+# the overlap prefetch buys.
+
+# %%
+for name, r in pf.items():
+    busy = traces.busy_ms(r)
+    print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, "
+          f"both at once {traces.overlap_ms(r):7.1f} ms (rank 0, 2 steps)")
+
+# %% [markdown]
+# ## 4 · The unit choice: what FSDP asks you and DeepSpeed does not
+#
+# `fsdp_auto_wrap_policy` decides which modules become units (`helpers.wrap`):
+# `TRANSFORMER_BASED_WRAP` one per decoder block (the class comes from the model's
+# `_no_split_modules` unless `fsdp_transformer_layer_cls_to_wrap` names it),
+# `SIZE_BASED_WRAP` every module with at least `fsdp_min_num_params` parameters of its own,
+# `NO_WRAP` the whole model as one unit. `fsdp_reshard_after_forward: false`
+# (`shard_grad_op.yaml`) keeps gathered blocks from forward to backward. DeepSpeed has no
+# units: its thresholds decide.
+
+# %% language="bash"
+# for cfg in full_shard_size_wrap full_shard_no_wrap shard_grad_op; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/$cfg.yaml \
+#         --out notebooks/runs/04_$cfg $ARGS | tail -n 1
+# done
+
+# %%
+WRAP = {"transformer blocks": ("fsdp/full_shard_prefetch", "04_full_shard_prefetch"),
+        "size-based": ("fsdp/full_shard_size_wrap", "04_full_shard_size_wrap"),
+        "no wrap": ("fsdp/full_shard_no_wrap", "04_full_shard_no_wrap"),
+        "blocks, no reshard": ("fsdp/shard_grad_op", "04_shard_grad_op")}
+wr = {k: results.load_run(f"notebooks/runs/{d}") for k, (_, d) in WRAP.items()}
+units = {k: wrap.check_wrap_policy(load_job_config(f"launch_configs/{c}.yaml"), resolve_model(MODEL))
+         for k, (c, _) in WRAP.items()}
+utab = traces.collective_table([*wr.values(), pf["ZeRO-3 prefetch"], pf["ZeRO-3 no prefetch"]],
+                               labels=[*wr, "ZeRO-3 prefetch", "ZeRO-3 no prefetch"])
+utab.insert(1, "units", [len(u) for u in units.values()] + [None, None])
+utab.insert(2, "expected_all_gathers", [wrap.expected_collectives(
+    u, wr[k].config["fsdp"]["reshard_after_forward"])["all_gathers"] for k, u in units.items()] + [None, None])
+utab["MB_per_all_gather"] = utab.all_gather_MB / utab.all_gathers
+utab.round(3)
+
+# %%
+fig, (left, right) = plots.plt.subplots(1, 2)
+plots.collective_bars(utab, ax=left)
+right.bar(utab.index, utab.peak_allocated_MB, color=["#1f6fb4"] * len(wr) + ["#d9480f"] * 2)
+right.set_xticks(range(len(utab)), utab.index, rotation=20, ha="right", fontsize=8)
+right.set(ylabel="MB", title="peak allocated, rank 0 (profiled steps)")
+fig.tight_layout()
+
+# %% [markdown]
+# **Reading it.** Smaller units mean more, smaller all-gathers; one unit means one gather of the
+# whole model (`largest_all_gather_MB`) and, during forward and backward, every rank holding all
+# of it. Not resharding after forward saves the backward gathers and keeps the blocks gathered in
+# between. At this model size the allocator's peak is set by activations, and its differences
+# between unit choices (a few hundred kB) are within what it measures reliably on a CPU; with a
+# larger model (the `small` preset on a GPU) the gathered bytes dominate. The counts and sizes are
+# exactly what the units predict:
+
+# %%
+for k in wr:
+    assert utab.loc[k, "all_gathers"] == utab.loc[k, "expected_all_gathers"], utab.loc[k]
+    assert utab.loc[k, "reduce_scatters"] == utab.loc[k, "units"], utab.loc[k]
+assert utab.loc["no wrap", "all_gathers"] == 1 and utab.loc["no wrap", "units"] == 1
+assert utab.loc["size-based", "units"] > utab.loc["transformer blocks", "units"]
+assert utab.loc["size-based", "MB_per_all_gather"] < utab.loc["transformer blocks", "MB_per_all_gather"]
+assert abs(utab.loc["no wrap", "largest_all_gather_MB"] - model_mb) < 1e-3  # the whole model at once
+assert utab.loc["transformer blocks", "largest_all_gather_MB"] < 0.6 * model_mb
+print("all-gathers per step (measured = expected): "
+      + ", ".join(f"{k} {int(utab.loc[k, 'all_gathers'])}" for k in wr))
+
+# %% [markdown]
+# ## 5 · `--compile`
+#
+# `helpers.train --compile` compiles each decoder block in place *before* `fully_shard` (FSDP2),
+# so FSDP's hooks (gather before, reshard after) stay outside the compiled graphs and each block
+# compiles to one graph; on DeepSpeed it calls the engine's `compile()`, which compiles the
+# wrapped module with ZeRO's hooks kept out of the graph.
+#
+# Why FSDP1 needed `fsdp_use_orig_params: true` for this: FSDP1 replaced a unit's parameters by
+# one `FlatParameter` and handed out views of it, which `torch.compile` could not trace as the
+# module's own parameters; `use_orig_params=True` kept the original `nn.Parameter`s visible.
+# FSDP2 never flattens: every parameter stays itself (a `DTensor` shard), so there is nothing to
+# ask for, and Accelerate ignores the key under `fsdp_version: 2`.
+#
+# Compiling costs a long first step (inductor generates and builds C++ for every graph: minutes
+# on 2 CPU cores), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
+# committed notebook shows the full run, on the tiny model). On a CPU the compiled steps are not faster for a model
+# this small; on a GPU, fused kernels are where compile pays.
+
+# %% language="bash"
+# if [ "$SIZE" = full ]; then
+#   for cfg in fsdp/full_shard deepspeed/zero3; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$cfg.yaml \
+#         --out notebooks/runs/04_compile_$(basename $cfg) --model tiny --steps 6 --compile | tail -n 1
+#   done
+# else
+#   echo "GUIDE_SIZE=quick: compile section skipped (minutes of inductor builds on a CPU)"
+# fi
+
+# %%
+if SIZE == "full":
+    comp = {k: results.load_run(f"notebooks/runs/04_compile_{k}") for k in ("full_shard", "zero3")}
+    for k, r in comp.items():
+        t = r.metrics.step_time_s
+        print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s; "
+              f"final loss {r.summary['final_loss']:.4f}")
+    f, d = (comp[k].summary["losses"] for k in ("full_shard", "zero3"))
+    assert all(abs(a - b) < 2e-2 for a, b in zip(f, d)), (f, d)  # same training, compiled kernels round differently
+    assert f[-1] < f[0] - 0.5
+    assert all(r.metrics.step_time_s.iloc[0] > 3 * r.metrics.step_time_s.iloc[1:].median() for r in comp.values())
+else:
+    print("skipped at GUIDE_SIZE=quick")
+
+# %% [markdown]
+# ## Recap: measured on this machine
+
+# %%
+print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
+print(f"FSDP, transformer-block units ({len(units_tf)}): {want['all_gathers']} all-gathers and "
+      f"{want['reduce_scatters']} reduce-scatters per step, with or without prefetch; prefetch moves block 1's "
+      "gather before block 0's compute")
+print(f"ZeRO-3: {int(tab.loc['ZeRO-3 no prefetch', 'all_gathers'])} all-gathers per step without prefetch, "
+      f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, gathered at once)")
+print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers, peak "
+                            f"{utab.loc[k, 'peak_allocated_MB']:.1f} MB" for k in wr))

@@ -247,11 +247,11 @@ def main(argv=None) -> int:
             records.append(rec)
             run.step(rec)
             guard.progress(step + 1)
-            bar.update(rec["loss"], rec["tokens_per_s"])
             if step % every == 0 or step == t.steps - 1:
                 with bar.printing():
                     run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
                             f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
+            bar.update(rec["loss"], rec["tokens_per_s"])  # after the step line: the bar stays last
         bar.close()
         summary["peak_memory_bytes"] = gather(peak.peak)
         summary["dtypes"] = dtypes.result()

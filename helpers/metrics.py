@@ -79,6 +79,9 @@ SUMMARY_KEYS = {
     "device": '"cpu" or the GPU name',
     "dist_backend": '"gloo" or "nccl"',
     "versions": "torch, deepspeed, transformers versions",
+    "checkpoints": "checkpoints this job saved (list): step, path, format (sharded | full | deepspeed), "
+                   "seconds (rank 0, barrier to barrier), bytes on disk, saved_dtypes (helpers.checkpoint)",
+    "resumed_from": "null, or the checkpoint the job started from: path, step, format, backend",
 }
 
 

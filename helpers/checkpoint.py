@@ -126,10 +126,28 @@ def check_resume(path: str, job, world_size: int) -> dict:
         if meta["world_size"] != world_size:
             raise CheckpointError(f"--resume {path}: DeepSpeed checkpoint saved by {meta['world_size']} ranks, "
                                   f"this job has {world_size}; convert it (--to deepspeed) to change world size")
+    _check_model_config(meta, job.train.model, path)
     if meta["step"] >= job.train.steps:
         raise CheckpointError(f"--resume {path}: checkpoint is at step {meta['step']}, but --steps "
                               f"{job.train.steps} is the total; ask for more steps")
     return meta
+
+
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "n_embd", "n_layer", "n_head")
+
+
+def _check_model_config(meta: dict, model: str, path: str) -> None:
+    """--model of this job against the model the checkpoint was saved from (before anything starts)."""
+    from .models import model_config, resolve_model
+
+    saved = meta.get("model_config") or {}
+    mine = model_config(resolve_model(model)).to_dict()
+    diff = [f"{k} {saved.get(k)} (checkpoint) vs {mine.get(k)} (--model {model})"
+            for k in ARCH_KEYS if saved.get(k) != mine.get(k)]
+    if diff:
+        raise CheckpointError(f"--resume {path}: model mismatch: {'; '.join(diff[:3])}; the checkpoint was "
+                              f"saved from --model {meta.get('model')!r}")
 
 
 # --------------------------------------------------------------------------- saving

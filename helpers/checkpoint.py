@@ -187,6 +187,7 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
     dist.barrier()
     t0 = time.perf_counter()
     fmt, dtypes = _save_state(engine, job, tmp)
+    seconds_16bit = dtypes.pop("seconds_16bit", None)  # DeepSpeed's consolidated 16-bit copy, part of seconds
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank{rank}.pt")
     if fault_hook:
@@ -202,7 +203,7 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
         os.replace(tmp, final)
     dist.barrier()
     return {"step": step, "path": str(final), "format": fmt, "seconds": seconds,
-            "bytes": meta.get("bytes"), "saved_dtypes": dtypes}
+            "bytes": meta.get("bytes"), "saved_dtypes": dtypes, "seconds_16bit": seconds_16bit}
 
 
 def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
@@ -212,7 +213,9 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
         dtypes = {"model": [str(next(engine.module.parameters()).dtype).removeprefix("torch.")],
                   "optim": ["float32"]}
         if job.deepspeed.zero3_save_16bit_model:
+            t0 = time.perf_counter()
             ds.save_16bit_model(str(tmp), "model_16bit.bin")
+            dtypes["seconds_16bit"] = time.perf_counter() - t0
             dtypes["model_16bit"] = [str(ds.bfloat16_enabled() and torch.bfloat16 or torch.float16)
                                      .removeprefix("torch.")]
         return "deepspeed", dtypes

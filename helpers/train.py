@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         "model": job.train.model, "num_params": None, "steps": 0,
         "tokens_per_step": job.train.micro_batch * job.train.grad_accum * job.train.seq_len * world_size,
         "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-        "dist_backend": dist_backend, "versions": versions(), "checkpoints": [], "resumed_from": None,
+        "dist_backend": dist_backend, "versions": versions(), "checkpoints": [], "resumed_from": None, "loading": None,
     }
 
     def write_failed(failed_rank, reason, message):  # rank 0, called by the guard exactly once
@@ -193,7 +193,19 @@ def main(argv=None) -> int:
 
         t = job.train
         dtype = torch.bfloat16 if t.model_dtype == "bf16" else torch.float32
-        model = build_model(spec, dtype=dtype, seed=t.seed)
+        from . import loading
+
+        method = loading.method_for(job) if spec.kind == "pretrained" else None
+        monitor = loading.LoadMonitor() if method else None
+        if monitor:
+            dist.barrier()
+            monitor.__enter__()
+        if method == "fsdp_ram_efficient":
+            model = loading.meta_model(spec, dtype)
+        elif method == "zero3_init":
+            model = loading.zero3_model(spec, dtype, resolved["deepspeed"]["json"])
+        else:
+            model = build_model(spec, dtype=dtype, seed=t.seed)
         summary["num_params"] = count_params(model)
         peak = PeakMemory(device)
         model.register_forward_hook(peak.sample)  # activations are all alive at the end of forward
@@ -203,6 +215,15 @@ def main(argv=None) -> int:
         resume_state = ckpt.before_backend(model, resume_meta, args.resume) \
             if resume_meta and job.backend == "deepspeed" else None
         engine = apply_backend(model, job, device)
+        if method == "fsdp_ram_efficient":
+            loading.fsdp_fill(engine, spec, dtype, device)
+        if monitor:
+            monitor.__exit__(None, None, None)
+            summary["loading"] = {"method": method, "path": spec.path, "ranks": gather(monitor.result),
+                                  "weights_match": loading.weights_match(engine, spec, dtype)}
+            run.log(f"loaded {spec.path} ({method}): {monitor.seconds:.2f} s, peak RssAnon "
+                    f"+{monitor.result['peak_rss_anon_bytes'] / 2**20:.0f} MiB on rank 0, weights match the file: "
+                    f"{summary['loading']['weights_match']}")
         start = 0
         if resume_meta:
             start = ckpt.restore(engine, resume_meta, args.resume, resume_state)

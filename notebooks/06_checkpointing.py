@@ -183,7 +183,7 @@ table.round({"save_s": 2, "MB": 2})
 # %%
 n = straight.summary["num_params"]
 sizes = table.MB * 1e6
-assert abs(sizes["FSDP FULL"] - 12 * n) / (12 * n) < 0.05  # fp32 weights + two fp32 Adam moments
+assert abs(sizes["FSDP FULL"] - 12 * n) / (12 * n) < 0.10  # fp32 weights + two fp32 Adam moments
 assert abs(sizes["FSDP SHARDED (DCP)"] - sizes["FSDP FULL"]) / sizes["FSDP FULL"] < 0.05
 assert abs(sizes["DeepSpeed ZeRO-3"] - 12 * n) / (12 * n) < 0.10  # plus a little padding and bookkeeping
 assert abs(sizes["DeepSpeed 16-bit weights"] - 2 * n) / (2 * n) < 0.05  # bf16 weights only

@@ -85,7 +85,9 @@ SUMMARY_KEYS = {
     "resumed_from": "null, or the checkpoint the job started from: path, step, format, backend",
     "loading": "null (random init), or for --model DIR: method (naive | fsdp_ram_efficient | zero3_init), "
                "path, ranks (per rank: seconds, peak_rss_anon_bytes and peak_rss_file_bytes above the "
-               "start, after_rss_anon_bytes, from model creation through sharding), weights_match (fp64 sum "
+               "start, after_rss_anon_bytes, from model creation until the weights are sharded: through the "
+               "backend's sharding for naive and fsdp_ram_efficient, through from_pretrained for zero3_init), "
+               "weights_match (fp64 sum "
                "and sum of squares of all ranks' shards equal the file's, rounded to the load dtype) "
                "(helpers.loading)",
 }

@@ -202,8 +202,9 @@ def main(argv=None) -> int:
             monitor.__enter__()
         if method == "fsdp_ram_efficient":
             model = loading.meta_model(spec, dtype)
-        elif method == "zero3_init":
+        elif method == "zero3_init":  # partitioned as it loads: the load ends here (initialize adds the optimizer)
             model = loading.zero3_model(spec, dtype, resolved["deepspeed"]["json"])
+            monitor.__exit__(None, None, None)
         else:
             model = build_model(spec, dtype=dtype, seed=t.seed)
         summary["num_params"] = count_params(model)
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
         if method == "fsdp_ram_efficient":
             loading.fsdp_fill(engine, spec, dtype, device)
         if monitor:
-            monitor.__exit__(None, None, None)
+            if method != "zero3_init":
+                monitor.__exit__(None, None, None)
             summary["loading"] = {"method": method, "path": spec.path, "ranks": gather(monitor.result),
                                   "weights_match": loading.weights_match(engine, spec, dtype)}
             run.log(f"loaded {spec.path} ({method}): {monitor.seconds:.2f} s, peak RssAnon "

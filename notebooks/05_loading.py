@@ -63,7 +63,10 @@ print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
 # ## Three loads, per world size
 #
 # One optimizer step each (the load is what we measure; the step shows the model works).
-# The measurement runs from model creation until the backend has sharded it.
+# The measurement runs from model creation until the weights are sharded: through
+# `fully_shard` for naive and RAM-efficient loading, through `from_pretrained` for ZeRO-3
+# init (the partitioning happened during it; `deepspeed.initialize` then allocates the
+# optimizer's fp32 master partitions, which is not loading).
 
 # %% language="bash"
 # for N in $WORLDS; do

@@ -40,7 +40,7 @@ import pandas as pd
 from helpers import checkpoint, nb, plots, results
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, a smaller model, fewer steps
-MODEL, K = ("tiny", 2) if SIZE == "quick" else ("small", 8)
+MODEL, K = ("tiny", 2) if SIZE == "quick" else ("tiny", 4)
 GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
 CK = Path("notebooks/runs/06_ckpt")  # checkpoints live outside the run directories

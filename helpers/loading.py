@@ -20,8 +20,11 @@ state dict will fix it; ``fix_rotary`` recomputes it from the config.
 
 ``LoadMonitor`` samples ``RssAnon`` and ``RssFile`` from ``/proc/self/status`` (plain
 RSS mixes in the memory-mapped safetensors pages, which the kernel can drop) every
-few ms during the load; ``summary["loading"]`` gets, per rank, the seconds, the peaks
-above the baseline, and whether the loaded weights equal the file (``checksum``).
+few ms during the load (model creation until the weights are sharded: through the
+backend's ``fully_shard`` for naive and RAM-efficient loading, through ``from_pretrained``
+for ZeRO-3 init, before ``deepspeed.initialize`` allocates the optimizer);
+``summary["loading"]`` gets, per rank, the seconds, the peaks above the baseline, and
+whether the loaded weights equal the file (``checksum``).
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ makes rank R fail at the start of step ``GUIDE_FAIL_STEP`` (default 0) in the
 way ``GUIDE_FAIL_MODE`` says: ``raise`` (a RuntimeError, the default), ``exit``
 (``os._exit(1)``, no report), ``kill`` (SIGKILL to itself, no report) or
 ``hang`` (sleeps forever). ``exit``, ``kill`` and ``hang`` print one line from
-that rank saying so, which is how the tests time them.
+that rank saying so, which is how the tests time them. ``GUIDE_FAIL_PHASE=save``
+moves the failure into the checkpoint save of step ``GUIDE_FAIL_STEP`` (state
+written, checkpoint not yet complete; see helpers.checkpoint).
 """
 
 from __future__ import annotations
@@ -186,6 +188,9 @@ class JobGuard:
         self._on_fail = None
         self._lockfile = None
         self.fault = fault_plan()
+        self.fault_phase = os.environ.get("GUIDE_FAIL_PHASE", "step")
+        if self.fault_phase not in ("step", "save"):
+            raise ValueError(f"GUIDE_FAIL_PHASE = {self.fault_phase!r}: allowed values are step, save")
 
     # ---- set-up
     def claim(self) -> None:
@@ -214,9 +219,9 @@ class JobGuard:
     def progress(self, step: int) -> None:
         self.step, self._last = step, time.monotonic()
 
-    def fault_hook(self, step: int) -> None:
+    def fault_hook(self, step: int, phase: str = "step") -> None:
         rank, at, mode = self.fault
-        if rank != self.rank or step != at:
+        if rank != self.rank or step != at or phase != self.fault_phase:
             return
         if mode == "raise":
             raise RuntimeError(f"injected failure on rank {rank} at step {step} "

@@ -93,6 +93,17 @@ SUMMARY_KEYS = {
     "device": '"cpu" or the GPU name',
     "dist_backend": '"gloo" or "nccl"',
     "versions": "torch, deepspeed, transformers versions",
+    "checkpoints": "checkpoints this job saved (list): step, path, format (sharded | full | deepspeed), "
+                   "seconds (rank 0, barrier to barrier), bytes on disk, saved_dtypes, seconds_16bit (DeepSpeed "
+                   "save_16bit_model, or null) (helpers.checkpoint)",
+    "resumed_from": "null, or the checkpoint the job started from: path, step, format, backend",
+    "loading": "null (random init), or for --model DIR: method (naive | fsdp_ram_efficient | zero3_init), "
+               "path, ranks (per rank: seconds, peak_rss_anon_bytes and peak_rss_file_bytes above the "
+               "start, after_rss_anon_bytes, from model creation until the weights are sharded: through the "
+               "backend's sharding for naive and fsdp_ram_efficient, through from_pretrained for zero3_init), "
+               "weights_match (fp64 sum "
+               "and sum of squares of all ranks' shards equal the file's, rounded to the load dtype) "
+               "(helpers.loading)",
 }
 
 

@@ -128,7 +128,7 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def count_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 init: p is empty
 
 
 def synthetic_batch(

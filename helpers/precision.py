@@ -56,7 +56,7 @@ def probe_target(model) -> tuple[str, torch.nn.Module, str]:
     prefix = next(n for n, m in model.named_modules() if m is block)
     for mod_name, module in block.named_modules():
         for leaf, p in module.named_parameters(recurse=False):
-            if p.dim() == 2:
+            if len(getattr(p, "ds_shape", p.shape)) == 2:  # ZeRO-3 init: p itself is empty
                 return f"{prefix}.{mod_name}.{leaf}".replace("..", "."), module, leaf
     raise ValueError(f"no 2-D weight in {prefix}")
 

@@ -42,7 +42,7 @@ class _Lines:
 class Progress:
     """``update(loss, tokens_per_s)`` once per step; ``close()`` at the end. Inactive off rank 0."""
 
-    def __init__(self, total: int, active: bool):
+    def __init__(self, total: int, active: bool, initial: int = 0):
         self.bar = None
         if not active or os.environ.get("GUIDE_PROGRESS", "1") == "0":
             return
@@ -50,7 +50,7 @@ class Progress:
 
         tqdm.monitor_interval = 0  # no monitor thread in a training process
         self.tty = sys.stderr.isatty()
-        self.bar = tqdm(total=total, desc="train", unit="step", delay=DELAY_S, leave=True, miniters=1,
+        self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", delay=DELAY_S, leave=True, miniters=1,
                         file=sys.stderr if self.tty else _Lines(sys.stderr),
                         mininterval=0.5 if self.tty else LINE_INTERVAL_S, dynamic_ncols=self.tty,
                         ascii=None if self.tty else True, ncols=None if self.tty else 100)

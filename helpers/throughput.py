@@ -65,20 +65,25 @@ CPU_BENCH_N = 512  # square matmul size: big enough for the best kernel, short i
 CPU_BENCH_SECONDS = 0.5
 
 
+def _numel(p) -> int:
+    """Elements of a parameter, also when ZeRO-3 init has already partitioned it (``ds_numel``)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def embedding_params(model: torch.nn.Module) -> int:
     """Elements of the embedding tables (lookups, no FLOPs), except a table shared with the output layer."""
     import torch
 
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     shared = {id(out.weight)} if out is not None else set()
-    return sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
+    return sum(_numel(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
                for p in m.parameters(recurse=False) if id(p) not in shared)
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
     """Training FLOPs per token: 6 N (N without embeddings) + 12 L H Q T (see the module docstring)."""
     cfg = model.config
-    n = sum(p.numel() for p in model.parameters()) - embedding_params(model)
+    n = sum(_numel(p) for p in model.parameters()) - embedding_params(model)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return 6 * n + 12 * cfg.num_hidden_layers * heads * head_dim * seq_len

@@ -18,6 +18,7 @@ rank 0 naming the rank, and a failed ``summary.json`` (see helpers.guard).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -58,6 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler trace per rank of a few steps "
                     "after warm-up into the run directory (helpers.profiling)")
+    ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.checkpoint)")
+    ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
+    ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")
     return ap.parse_args(argv)
 
 
@@ -126,6 +130,9 @@ def main(argv=None) -> int:
         resolved, ds_filled = resolve_job(job, world_size)
         check_observers(job, spec, args)  # --profile needs enough steps; the FSDP wrap classes exist
         guard = JobGuard(args.out, rank, world_size, timeout=job.train.timeout)
+        from .checkpoint import check_args
+
+        resume_meta = check_args(args, job, world_size)
         if rank == 0:
             guard.claim()  # --out: not a file, not another job's, not someone's directory
     except ValueError as e:  # ConfigError, ModelSpecError, OutDirError, a bad GUIDE_FAIL_* test hook
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
         "model": job.train.model, "num_params": None, "steps": 0,
         "tokens_per_step": job.train.micro_batch * job.train.grad_accum * job.train.seq_len * world_size,
         "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-        "dist_backend": dist_backend, "versions": versions(),
+        "dist_backend": dist_backend, "versions": versions(), "checkpoints": [], "resumed_from": None, "loading": None,
     }
 
     def write_failed(failed_rank, reason, message):  # rank 0, called by the guard exactly once
@@ -205,24 +212,61 @@ def main(argv=None) -> int:
 
         t = job.train
         dtype = torch.bfloat16 if t.model_dtype == "bf16" else torch.float32
-        model = build_model(spec, dtype=dtype, seed=t.seed)
+        from . import loading
+
+        method = loading.method_for(job) if spec.kind == "pretrained" else None
+        monitor = loading.LoadMonitor() if method else None
+        if monitor:
+            dist.barrier()
+            monitor.__enter__()
+        if method == "fsdp_ram_efficient":
+            model = loading.meta_model(spec, dtype)
+        elif method == "zero3_init":  # partitioned as it loads: the load ends here (initialize adds the optimizer)
+            model = loading.zero3_model(spec, dtype, resolved["deepspeed"]["json"])
+            monitor.__exit__(None, None, None)
+        else:
+            model = build_model(spec, dtype=dtype, seed=t.seed)
         summary["num_params"] = count_params(model)
         flops = flops_per_token(model, t.seq_len)
         peak = PeakMemory(device)
         model.register_forward_hook(peak.sample)  # activations are all alive at the end of forward
         dtypes = DtypeProbe(model)  # before the backend: sees the dtype the model was loaded in
+        from . import checkpoint as ckpt
+
+        resume_state = ckpt.before_backend(model, resume_meta, args.resume) \
+            if resume_meta and job.backend == "deepspeed" else None
         engine = apply_backend(model, job, device)
+        if method == "fsdp_ram_efficient":
+            loading.fsdp_fill(engine, spec, dtype, device)
+        if monitor:
+            if method != "zero3_init":
+                monitor.__exit__(None, None, None)
+            summary["loading"] = {"method": method, "path": spec.path, "ranks": gather(monitor.result),
+                                  "weights_match": loading.weights_match(engine, spec, dtype)}
+            run.log(f"loaded {spec.path} ({method}): {monitor.seconds:.2f} s, peak RssAnon "
+                    f"+{monitor.result['peak_rss_anon_bytes'] / 2**20:.0f} MiB on rank 0, weights match the file: "
+                    f"{summary['loading']['weights_match']}")
+        start = 0
+        if resume_meta:
+            start = ckpt.restore(engine, resume_meta, args.resume, resume_state)
+            del resume_state
+            summary["resumed_from"] = {"path": args.resume, "step": start, "format": resume_meta["format"],
+                                       "backend": resume_meta["backend"]}
+            run.log(f"resumed from {args.resume} ({resume_meta['format']}, {resume_meta['backend']}, "
+                    f"{resume_meta['world_size']} ranks) at step {start}")
+        ckpt_extra = {"param_shapes": ckpt.param_shapes(engine.module),
+                      "model_config": json.loads(model.config.to_json_string())}
         dtypes.attach(engine)
         updates = UpdateTracker(engine, summary["num_params"])
-        probe_step, probe = min(1, t.steps - 1), StepProbe(model)  # step 1: Adam's states exist
+        probe_step, probe = start + min(1, t.steps - start - 1), StepProbe(model)  # step 1: Adam's states exist
         vocab = model.config.vocab_size
         run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
                 f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
 
         profiler = StepProfiler(args.out, rank, enabled=args.profile, use_cuda=use_cuda)
         every = max(1, t.steps // 10)
-        bar = Progress(t.steps, active=rank == 0)
-        for step in range(t.steps):
+        bar = Progress(t.steps, active=rank == 0, initial=start)
+        for step in range(start, t.steps):
             guard.fault_hook(step)  # GUIDE_FAIL_* test hooks; nothing otherwise
             batches = [
                 synthetic_batch(step, seed=t.seed, rank=rank, world_size=world_size,
@@ -247,6 +291,11 @@ def main(argv=None) -> int:
             records.append(rec)
             run.step(rec)
             guard.progress(step + 1)
+            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                saved = ckpt.save(engine, job, args.checkpoint_dir, step + 1, ckpt_extra,
+                                  fault_hook=lambda s: guard.fault_hook(s, "save"))
+                summary["checkpoints"].append(saved)
+                run.log(f"saved {saved['path']} ({saved['format']}, {saved['seconds']:.2f} s)")
             if step % every == 0 or step == t.steps - 1:
                 with bar.printing():
                     run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "

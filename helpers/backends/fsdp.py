@@ -50,7 +50,8 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
     mesh = fsdp_mesh(job, world_size, device.type)
     mp_policy = MixedPrecisionPolicy()
     if job.mixed_precision == "bf16":
-        model.to(device)
+        if not next(model.parameters()).is_meta:  # a meta model (RAM-efficient loading) is filled later
+            model.to(device)
         for p in model.parameters():  # Accelerate's upcast: fp32 shards, bf16 compute
             p.data = p.data.float()
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)

@@ -1,0 +1,181 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · Loading a pretrained model without every rank holding all of it
+#
+# **The question.** Sharding saves memory *once the model is sharded*. But a pretrained
+# model has to be read first — and if every rank reads the whole file, the peak memory per
+# rank is the full model anyway. How do FSDP and DeepSpeed avoid that, and what do they
+# save?
+#
+# **What we run.** A local pretrained checkpoint (a preset saved with `save_pretrained`:
+# `config.json` + `model.safetensors`), loaded by real jobs in three ways, at 2 and 4 ranks:
+#
+# | method | config key (Accelerate's) | what each rank does |
+# |---|---|---|
+# | naive | (default) | `from_pretrained` on every rank, then shard |
+# | FSDP RAM-efficient | `fsdp_cpu_ram_efficient_loading` + `fsdp_sync_module_states` | meta-device init, shard, `to_empty`; rank 0 reads and broadcasts (`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`) |
+# | DeepSpeed ZeRO-3 init | `zero3_init_flag` | `from_pretrained` inside `deepspeed.zero.Init` (transformers' `HfDeepSpeedConfig`): each parameter is partitioned as it is created |
+#
+# **What we look at.** Per rank: load time, peak `RssAnon` and `RssFile` (see below why
+# not plain RSS), and whether the loaded weights equal the file — all from `summary.json`
+# under `loading`.
+
+# %%
+import os
+
+import pandas as pd
+
+from helpers import loading, nb, plots, results
+
+SIZE = nb.setup()  # "quick" under `make test`: a smaller model, 2 ranks only
+MODEL, WORLDS = ("small", [2]) if SIZE == "quick" else ("medium", [2, 4])
+GPUS = nb.gpu_count()
+PRETRAINED = f"notebooks/runs/05_pretrained_{MODEL}"
+os.environ.update(MODEL=MODEL, PRETRAINED=PRETRAINED, WORLDS=" ".join(map(str, WORLDS)))
+print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
+
+# %% [markdown]
+# ## A local "pretrained" checkpoint
+#
+# Nothing can be downloaded here, so we make one: the preset with seeded random weights,
+# saved in fp32 with `save_pretrained`. `--model DIR` accepts any such directory, a real
+# checkpoint included.
+
+# %% language="bash"
+# [ -f $PRETRAINED/model.safetensors ] || python -m helpers.loading $MODEL $PRETRAINED
+# ls -la $PRETRAINED
+
+# %% [markdown]
+# ## Three loads, per world size
+#
+# One optimizer step each (the load is what we measure; the step shows the model works).
+# The measurement runs from model creation until the weights are sharded: through
+# `fully_shard` for naive and RAM-efficient loading, through `from_pretrained` for ZeRO-3
+# init (the partitioning happened during it; `deepspeed.initialize` then allocates the
+# optimizer's fp32 master partitions, which is not loading).
+
+# %% language="bash"
+# for N in $WORLDS; do
+#   for CFG in fsdp/full_shard fsdp/full_shard_ram_efficient deepspeed/zero3_init; do
+#     NAME=$(basename $CFG)
+#     torchrun --standalone --nproc_per_node $N -m helpers.train --config launch_configs/$CFG.yaml \
+#       --out notebooks/runs/05_${NAME}_$N --model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32 \
+#       | grep loaded
+#   done
+# done
+
+# %% [markdown]
+# ## Why `RssAnon` and `RssFile`, not RSS
+#
+# transformers memory-maps safetensors files. Pages of the mapping count in RSS as
+# `RssFile` while they are touched, but the kernel can drop them at any time (they are a
+# cache of the file). What a rank really *owns* is anonymous memory, `RssAnon`: tensors it
+# allocated. Plain RSS adds the two and overstates what a method costs.
+
+# %%
+NAMES = {"full_shard": "naive", "full_shard_ram_efficient": "FSDP RAM-efficient", "zero3_init": "ZeRO-3 init"}
+rows = []
+for n in WORLDS:
+    for name, label in NAMES.items():
+        run = results.load_run(f"notebooks/runs/05_{name}_{n}")
+        ld = run.summary["loading"]
+        for rank, r in enumerate(ld["ranks"]):
+            rows.append(dict(world_size=n, method=label, rank=rank, seconds=r["seconds"],
+                             peak_anon_MiB=r["peak_rss_anon_bytes"] / 2**20,
+                             peak_file_MiB=r["peak_rss_file_bytes"] / 2**20,
+                             after_anon_MiB=r["after_rss_anon_bytes"] / 2**20,
+                             weights_match=ld["weights_match"], used=ld["method"]))
+table = pd.DataFrame(rows)
+num_params = run.summary["num_params"]
+print(f"{num_params / 1e6:.1f}M params: {num_params * 4 / 2**20:.0f} MiB in fp32, {num_params * 2 / 2**20:.0f} MiB in bf16")
+table.round(1)
+
+# %%
+fig, axes = plots.plt.subplots(1, len(WORLDS), sharey=True, squeeze=False)
+for ax, n in zip(axes[0], WORLDS, strict=True):
+    sub = table[table.world_size == n]
+    width = 0.8 / len(NAMES)
+    for i, label in enumerate(NAMES.values()):
+        s = sub[sub.method == label]
+        ax.bar(s["rank"] + (i - 1) * width, s.peak_anon_MiB, width, label=label)
+    ax.set(xlabel="rank", ylabel="peak RssAnon above start (MiB)", title=f"{n} ranks", xticks=range(n))
+axes[0][0].legend()
+fig.tight_layout()
+
+# %% [markdown]
+# **What it means.** Under naive loading every rank peaks at about the whole model (and
+# more: the bf16 copy is upcast to fp32 shards). With either efficient path, only rank 0
+# touches the full weights; the other ranks peak near their shard. Rank 0 still reads
+# everything, so its peak stays high: the saving is `world_size - 1` full copies, which is
+# what decides whether a node runs out of host memory.
+
+# %%
+assert set(table.used) == {"naive", "fsdp_ram_efficient", "zero3_init"}
+assert table.weights_match.all(), "a loaded model differs from the file"
+for n in WORLDS:
+    sub = table[(table.world_size == n) & (table["rank"] > 0)]
+    naive = sub[sub.method == "naive"].peak_anon_MiB.min()
+    for label in ("FSDP RAM-efficient", "ZeRO-3 init"):
+        worst = sub[sub.method == label].peak_anon_MiB.max()
+        assert worst < 0.6 * naive, (n, label, worst, naive)
+print("non-zero ranks peak well below naive under both efficient paths; weights equal the file everywhere")
+
+# %% [markdown]
+# ## The rotary-buffer trap
+#
+# Meta-device init creates no memory; `to_empty()` then allocates *uninitialised* memory
+# for every parameter and buffer, and the state dict fills the parameters. But RoPE's
+# `inv_freq` is a **non-persistent** buffer: it is computed in `__init__` and never saved,
+# so no checkpoint restores it. After `to_empty()` it holds whatever bytes were there:
+# the model runs, with wrong positions, and the loss is simply worse. `helpers.loading.
+# fix_rotary` rebuilds such buffers from the config. See it on a tiny model:
+
+# %%
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from helpers.models import model_config, resolve_model  # noqa: E402
+
+cfg = model_config(resolve_model("tiny"))
+good = AutoModelForCausalLM.from_config(cfg).model.rotary_emb.inv_freq
+meta = loading.meta_model(resolve_model("tiny"), torch.float32)
+print("persistent?", "model.rotary_emb.inv_freq" in meta.state_dict())
+meta.to_empty(device="cpu")
+rotary = meta.model.rotary_emb
+print("after to_empty:", rotary.inv_freq[:4], " correct:", good[:4])
+fixed = loading.fix_rotary(meta, "cpu")
+print("after fix_rotary:", rotary.inv_freq[:4])
+assert "model.rotary_emb.inv_freq" not in meta.state_dict()  # why no checkpoint can fix it
+assert fixed == 1 and torch.equal(rotary.inv_freq, good)
+
+# %% [markdown]
+# ## Recap
+
+# %%
+for n in WORLDS:
+    sub = table[table.world_size == n]
+    for label in NAMES.values():
+        s = sub[sub.method == label]
+        print(f"{n} ranks  {label:20s} rank 0 peak {s.peak_anon_MiB.iloc[0]:7.0f} MiB, other ranks max "
+              f"{s[s['rank'] > 0].peak_anon_MiB.max():7.0f} MiB, load {s.seconds.max():5.1f} s")
+
+# %% [markdown]
+# * Naive loading costs every rank the whole model before sharding.
+# * FSDP's RAM-efficient loading (meta init, rank-0 read, broadcast) and DeepSpeed's ZeRO-3
+#   init (partition on creation) keep the other ranks near their shard; rank 0 still reads it all.
+# * Weights loaded either way equal the file (checksums from every rank's shard).
+# * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict.

@@ -1,0 +1,232 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · Checkpointing: save, resume exactly, and switch backends mid-training
+#
+# **The question.** You trained for a while with FSDP. Can you stop, and carry on with
+# DeepSpeed (or the other way round) *as if nothing had happened* — same loss at every
+# later step, to the last bit? And what does each way of saving cost on disk and in time?
+#
+# **What we run.** One uninterrupted FSDP job of `3K` steps that saves a checkpoint every
+# `K` steps. Then a relay: take its step-`K` checkpoint, convert it to DeepSpeed, train
+# steps `K..2K` under ZeRO-3 (saving native DeepSpeed checkpoints with 16-bit weights),
+# convert *that* back to FSDP and finish steps `2K..3K` under FSDP (saving one FULL
+# state dict).
+#
+# **What we look at.** A table of every checkpoint kind — FSDP SHARDED (DCP), FSDP FULL,
+# DeepSpeed ZeRO, DeepSpeed 16-bit, offline conversions — with save time, size and the
+# dtypes inside; and the relay's loss curve drawn over the uninterrupted one.
+
+# %%
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from helpers import checkpoint, nb, plots, results
+
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, a smaller model, fewer steps
+MODEL, K = ("tiny", 2) if SIZE == "quick" else ("tiny", 4)
+GPUS = nb.gpu_count()
+NPROC = GPUS if GPUS else 2
+CK = Path("notebooks/runs/06_ckpt")  # checkpoints live outside the run directories
+os.environ.update(MODEL=MODEL, K=str(K), K2=str(2 * K), K3=str(3 * K), NPROC=str(NPROC), CK=str(CK))
+print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} ranks")
+
+# %% [markdown]
+# ## How a checkpoint is written
+#
+# `--checkpoint-dir D --checkpoint-every K` saves `D/step_K`; `--resume D/step_K` starts
+# the next job there (`--steps` stays the *total*). What gets saved follows the launch
+# config, with Accelerate's keys:
+#
+# | config | what is on disk |
+# |---|---|
+# | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it |
+# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one fp32 file |
+# | DeepSpeed | `ds/`: `engine.save_checkpoint`, one partition file per rank |
+# | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer) |
+#
+# Besides model and optimizer, each rank saves its RNG state; the data of a step is a
+# pure function of the step number, so the step counter is the data position.
+#
+# **Atomic saves.** Everything goes to `D/.step_K.tmp`; `meta.json` is written last and the
+# directory is renamed to `D/step_K` only then. A job killed halfway leaves a `.tmp`
+# directory that nothing mistakes for a checkpoint (the tests kill a rank mid-save to
+# check it), and the previous `step_*` untouched.
+#
+# ## The uninterrupted run
+
+# %% language="bash"
+# rm -rf $CK
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
+#     --config launch_configs/fsdp/full_shard.yaml --out notebooks/runs/06_straight \
+#     --model $MODEL --steps $K3 --checkpoint-dir $CK/fsdp --checkpoint-every $K
+
+# %% [markdown]
+# ## The relay: FSDP → DeepSpeed → FSDP
+#
+# `python -m helpers.convert SRC DST --to deepspeed|fsdp|hf` reads any of the formats into
+# one consolidated fp32 layout — per parameter name: the fp32 weight, Adam's `exp_avg`,
+# `exp_avg_sq` and step — and writes it for the other side:
+#
+# * `--to fsdp` writes a DCP checkpoint; FSDP reshards it at load time, any world size.
+# * `--to deepspeed` writes the consolidated file. DeepSpeed's own files are cut for one
+#   world size, so the import happens in the job that resumes: weights into the module
+#   *before* `deepspeed.initialize`, then `safe_set_full_fp32_param` for the fp32 master
+#   and `safe_set_full_optimizer_state` for Adam (whose state ZeRO-3 creates lazily, at
+#   the first step, so the job creates it first). Any world size works.
+# * `--to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`.
+
+# %% language="bash"
+# python -m helpers.convert $CK/fsdp/step_$K $CK/to_ds/step_$K --to deepspeed
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
+#     --config launch_configs/deepspeed/zero3_16bit.yaml --out notebooks/runs/06_leg_ds \
+#     --model $MODEL --steps $K2 --resume $CK/to_ds/step_$K --checkpoint-dir $CK/ds --checkpoint-every $K
+
+# %% [markdown]
+# DeepSpeed saved a native checkpoint at step `2K`. Back to FSDP, this time saving FULL
+# state dicts:
+
+# %% language="bash"
+# python -m helpers.convert $CK/ds/step_$K2 $CK/to_fsdp/step_$K2 --to fsdp
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
+#     --config launch_configs/fsdp/full_shard_full_state_dict.yaml --out notebooks/runs/06_leg_fsdp \
+#     --model $MODEL --steps $K3 --resume $CK/to_fsdp/step_$K2 --checkpoint-dir $CK/full --checkpoint-every $K
+# python -m helpers.convert $CK/full/step_$K3 $CK/hf --to hf
+
+# %% [markdown]
+# ## One unbroken curve
+
+# %%
+straight, leg_ds, leg_fsdp = results.load_runs("notebooks/runs/06_straight", "notebooks/runs/06_leg_ds",
+                                               "notebooks/runs/06_leg_fsdp")
+relay = pd.concat([straight.metrics[straight.metrics.step < K], leg_ds.metrics, leg_fsdp.metrics])
+fig, (left, right) = plots.plt.subplots(1, 2)
+left.plot(straight.metrics.step, straight.metrics.loss, color="black", lw=4, alpha=0.25, label="uninterrupted FSDP")
+for run, part, name in ((straight, straight.metrics[straight.metrics.step < K], "FSDP 0..K"),
+                        (leg_ds, leg_ds.metrics, "DeepSpeed K..2K (converted)"),
+                        (leg_fsdp, leg_fsdp.metrics, "FSDP 2K..3K (converted back)")):
+    left.plot(part.step, part.loss, color=plots.COLORS[run.backend], marker="o", ms=3, lw=1.2, label=name)
+for k in (K, 2 * K):
+    left.axvline(k - 0.5, color="grey", ls=":", lw=1)
+left.set(xlabel="step", ylabel="causal-LM loss", title="relay vs uninterrupted")
+left.legend()
+diff = (relay.loss.to_numpy() - straight.metrics.loss.to_numpy())
+right.plot(straight.metrics.step, abs(diff), color="black", marker=".")
+right.set(xlabel="step", ylabel="|difference|", title="|relay - uninterrupted| loss", ylim=(-0.05, 1))
+fig.tight_layout()
+
+# %% [markdown]
+# **What it means.** The relay's points sit on the uninterrupted line and the difference
+# is zero at every step: after two conversions the weights, Adam's moments and its step
+# counter were exactly what the uninterrupted job had. The check:
+
+# %%
+assert relay.step.tolist() == list(range(3 * K))
+assert relay.loss.tolist() == straight.summary["losses"], "the relay left the uninterrupted trajectory"
+assert leg_ds.summary["resumed_from"]["backend"] == "fsdp" and leg_ds.backend == "deepspeed"
+assert leg_fsdp.summary["resumed_from"]["backend"] == "deepspeed" and leg_fsdp.backend == "fsdp"
+print(f"bit-identical at all {3 * K} steps, across FSDP -> DeepSpeed -> FSDP")
+
+# %% [markdown]
+# Moving only the weights is not enough: Adam would restart with zero moments and step 1,
+# and the loss drifts off the line from the first step after the switch. That is why the
+# converter carries the optimizer state too.
+#
+# ## What each kind of checkpoint costs
+#
+# Save time is measured in the job from the barrier before the save to the barrier after
+# it; sizes are read from disk. The conversions ran offline, in one process.
+
+# %%
+def disk(path):
+    return checkpoint.dir_bytes(path) if Path(path).is_dir() else Path(path).stat().st_size
+
+
+rows = []
+for run, label in ((straight, "FSDP SHARDED (DCP)"), (leg_ds, "DeepSpeed ZeRO-3"), (leg_fsdp, "FSDP FULL")):
+    c = run.summary["checkpoints"][0]
+    p = Path(c["path"])
+    main = p / "ds" if run.backend == "deepspeed" else p
+    dtypes = {k: v for k, v in c["saved_dtypes"].items() if k != "model_16bit"}
+    rows.append(dict(kind=label, step=c["step"], save_s=c["seconds"] - (c["seconds_16bit"] or 0),
+                     MB=disk(main) / 1e6, dtypes=dtypes))
+    if c["seconds_16bit"] is not None:
+        rows.append(dict(kind="DeepSpeed 16-bit weights", step=c["step"], save_s=c["seconds_16bit"],
+                         MB=disk(p / "model_16bit.bin") / 1e6, dtypes={"model": c["saved_dtypes"]["model_16bit"]}))
+for path, label in ((CK / "to_ds" / f"step_{K}", "convert FSDP -> DeepSpeed"),
+                    (CK / "to_fsdp" / f"step_{2 * K}", "convert DeepSpeed -> FSDP")):
+    m = json.loads((path / "meta.json").read_text())
+    rows.append(dict(kind=label, step=m["step"], save_s=m["convert_seconds"], MB=m["bytes"] / 1e6,
+                     dtypes=m["saved_dtypes"]))
+m = json.loads((CK / "hf" / "conversion.json").read_text())
+rows.append(dict(kind="export hf safetensors", step=m["step"], save_s=m["convert_seconds"],
+                 MB=disk(CK / "hf" / "model.safetensors") / 1e6, dtypes={"model": ["float32"]}))
+table = pd.DataFrame(rows).set_index("kind")
+table.round({"save_s": 2, "MB": 2})
+
+# %%
+n = straight.summary["num_params"]
+sizes = table.MB * 1e6
+assert abs(sizes["FSDP FULL"] - 12 * n) / (12 * n) < 0.10  # fp32 weights + two fp32 Adam moments
+assert abs(sizes["FSDP SHARDED (DCP)"] - sizes["FSDP FULL"]) / sizes["FSDP FULL"] < 0.05
+assert abs(sizes["DeepSpeed ZeRO-3"] - 12 * n) / (12 * n) < 0.10  # plus a little padding and bookkeeping
+assert abs(sizes["DeepSpeed 16-bit weights"] - 2 * n) / (2 * n) < 0.05  # bf16 weights only
+assert abs(sizes["export hf safetensors"] - 4 * n) / (4 * n) < 0.05  # fp32 weights only
+assert table.loc["DeepSpeed 16-bit weights", "dtypes"] == {"model": ["bfloat16"]}
+assert table.loc["FSDP SHARDED (DCP)", "dtypes"] == {"model": ["float32"], "optim": ["float32"]}
+print(f"{n / 1e6:.2f}M params: a resumable checkpoint is ~12 bytes/param, 16-bit weights 2, safetensors fp32 4")
+
+# %% [markdown]
+# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter
+# whatever the backend: the fp32 master weights (4) plus Adam's two fp32 moments (8).
+# DeepSpeed's ZeRO-3 files hold the fp32 partitions and moments (its bf16 module copy is
+# rebuilt from them); the 16-bit file is 6x smaller but holds weights only — good for
+# inference or fine-tuning from scratch, not for an exact resume. FULL and SHARDED hold
+# the same bytes; the difference is *who writes them*: FULL gathers everything into rank
+# 0's memory and one file, SHARDED lets every rank write its own part in parallel, which
+# is what scales.
+#
+# ## The exported model loads with transformers
+
+# %%
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+hf = AutoModelForCausalLM.from_pretrained(CK / "hf", dtype=torch.float32)
+full = checkpoint.load_full(CK / "full" / f"step_{3 * K}")["model"]
+assert all(torch.equal(p, full[name]) for name, p in hf.named_parameters())
+print(type(hf).__name__, f"{sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M params, equal to the last checkpoint")
+
+# %% [markdown]
+# ## Recap
+#
+# What this machine measured:
+
+# %%
+print(f"relay FSDP -> DeepSpeed -> FSDP over {3 * K} steps: losses identical to the uninterrupted run "
+      f"(final {straight.summary['final_loss']:.4f})")
+for kind, r in table.iterrows():
+    print(f"{kind:28s} {r.MB:8.2f} MB  {r.save_s:6.2f} s")
+
+# %% [markdown]
+# * Exact resume needs model, optimizer (moments *and* step), RNG and the data position.
+# * FSDP and DeepSpeed keep the same fp32 numbers in different layouts; converting through
+#   one consolidated layout, with the DeepSpeed import done inside the resuming job,
+#   continues training bit-identically in both directions.
+# * Saves are atomic: a checkpoint directory exists only once it is complete.

@@ -1,0 +1,141 @@
+"""Checkpoints: exact resume on each backend, FSDP <-> DeepSpeed through helpers.convert, a killed save.
+
+Six tiny 2-rank jobs of 6 steps, shared: DeepSpeed saves at step 3 and is the reference (FSDP and
+ZeRO-3 train bit-identically, see test_train); FSDP saves at 3 and is killed inside the save of step 6.
+Then four resumes from step 3: each backend from its own checkpoint, each from the other's, converted.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FSDP, REPO, ZERO3, job_env, run_job, summary
+
+from helpers.checkpoint import read_meta
+from helpers.convert import convert, read_consolidated
+
+TINY = ("--model", "tiny", "--steps", "6")
+
+
+def losses(out):
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(proc, name):
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpt")
+    ok(run_job(ZERO3, base / "ds", 2, *TINY, "--checkpoint-dir", str(base / "ds_ck"), "--checkpoint-every", "3"),
+       "deepspeed")
+    killed = run_job(FSDP, base / "fsdp", 2, *TINY, "--checkpoint-dir", str(base / "fsdp_ck"), "--checkpoint-every",
+                     "3", env={"GUIDE_FAIL_RANK": "1", "GUIDE_FAIL_STEP": "6", "GUIDE_FAIL_PHASE": "save",
+                               "GUIDE_FAIL_MODE": "kill"})
+    convert(str(base / "fsdp_ck" / "step_3"), str(base / "to_ds"), "deepspeed")
+    convert(str(base / "ds_ck" / "step_3"), str(base / "to_fsdp"), "fsdp")
+    for name, cfg, src in (("fsdp_resume", FSDP, "fsdp_ck/step_3"), ("ds_resume", ZERO3, "ds_ck/step_3"),
+                           ("fsdp_to_ds", ZERO3, "to_ds"), ("ds_to_fsdp", FSDP, "to_fsdp")):
+        ok(run_job(cfg, base / name, 2, *TINY, "--resume", str(base / src)), name)
+    return base, killed
+
+
+def test_reference_saved_checkpoints(ckpt):
+    base, _ = ckpt
+    s = summary(base / "ds")
+    assert [c["step"] for c in s["checkpoints"]] == [3, 6]
+    assert all(c["format"] == "deepspeed" and c["bytes"] > 0 for c in s["checkpoints"])
+    assert read_meta(base / "ds_ck" / "step_3")["step"] == 3
+
+
+@pytest.mark.parametrize("name", ["fsdp_resume", "ds_resume"])
+def test_resume_is_exact(ckpt, name):
+    base, _ = ckpt
+    ref, s = summary(base / "ds")["losses"], summary(base / name)
+    assert s["resumed_from"]["step"] == 3
+    assert [json.loads(x)["step"] for x in (base / name / "metrics.jsonl").read_text().splitlines()] == [3, 4, 5]
+    assert s["losses"] == ref[3:]  # bitwise: 3 + resume + 3 == 6
+
+
+@pytest.mark.parametrize("name,frm", [("fsdp_to_ds", "fsdp"), ("ds_to_fsdp", "deepspeed")])
+def test_cross_backend_resume_is_exact(ckpt, name, frm):
+    base, _ = ckpt
+    s = summary(base / name)
+    assert s["resumed_from"]["backend"] == frm and s["backend"] != frm
+    assert s["losses"] == summary(base / "ds")["losses"][3:]
+
+
+def test_killed_save_leaves_last_checkpoint(ckpt):
+    base, killed = ckpt
+    assert killed.returncode != 0
+    assert summary(base / "fsdp")["status"] == "failed"
+    ck = base / "fsdp_ck"
+    assert not (ck / "step_6").exists() and (ck / ".step_6.tmp").is_dir()  # never became visible
+    assert read_meta(ck / "step_3")["format"] == "sharded"
+    with pytest.raises(ValueError, match="partial checkpoint"):
+        read_meta(ck / ".step_6.tmp")
+    assert losses(base / "fsdp") == summary(base / "ds")["losses"]  # it trained all 6 steps before the kill
+
+
+def test_both_backends_save_the_same_state(ckpt):
+    """FSDP's DCP and DeepSpeed's ZeRO-3 partitions, read back: the same fp32 weights and Adam state."""
+    base, _ = ckpt
+    f = read_consolidated(base / "fsdp_ck" / "step_3", read_meta(base / "fsdp_ck" / "step_3"))
+    d = read_consolidated(base / "ds_ck" / "step_3", read_meta(base / "ds_ck" / "step_3"))
+    assert f["model"].keys() == d["model"].keys()
+    for k in f["model"]:
+        assert torch.equal(f["model"][k], d["model"][k]), k
+        for s in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(f["optim"]["state"][k][s], d["optim"]["state"][k][s]), (k, s)
+
+
+def test_hf_export_loads_with_transformers(ckpt, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    base, _ = ckpt
+    convert(str(base / "ds_ck" / "step_3"), str(tmp_path / "hf"), "hf")
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    w = read_consolidated(base / "ds_ck" / "step_3", read_meta(base / "ds_ck" / "step_3"))["model"]
+    assert all(torch.equal(p, w[n]) for n, p in m.named_parameters())
+
+
+def _convert_cli(*args):
+    return subprocess.run([sys.executable, "-m", "helpers.convert", *map(str, args)], cwd=REPO, env=job_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_convert_refuses_bad_input(ckpt, tmp_path):
+    base, _ = ckpt
+    cases = [
+        ((base / "ds", tmp_path / "a", "--to", "fsdp"), "not a checkpoint"),  # a run directory
+        ((base / "fsdp_ck", tmp_path / "b", "--to", "fsdp"), "step_3: pass one of those"),
+        ((base / "fsdp_ck" / ".step_6.tmp", tmp_path / "c", "--to", "fsdp"), "partial checkpoint"),
+        ((base / "ds_ck" / "step_3", tmp_path / "d", "--to", "jax"), "allowed values are fsdp, deepspeed, hf"),
+        ((base / "ds_ck" / "step_3", base / "to_fsdp", "--to", "fsdp"), "already exists"),
+    ]
+    for args, want in cases:
+        proc = _convert_cli(*args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+        assert want in lines[0], lines[0]
+    assert not (tmp_path / "d").exists()
+    # a checkpoint with a file missing: partial, not a traceback
+    broken = tmp_path / "broken"
+    convert(str(base / "ds_ck" / "step_3"), str(broken), "deepspeed")
+    (broken / "full.pt").unlink()
+    proc = _convert_cli(broken, tmp_path / "e", "--to", "fsdp")
+    assert proc.returncode == 2 and "partial checkpoint (full.pt is missing)" in proc.stderr
+
+
+def test_resume_refuses_other_model_and_wrong_backend(ckpt, tmp_path):
+    base, _ = ckpt
+    # plain python (one rank): the refusal comes before any process group, exit status 2 (torchrun would say 1)
+    proc = run_job(FSDP, tmp_path / "m", 0, "--model", "small", "--steps", "6", "--resume", base / "fsdp_ck" / "step_3")
+    assert proc.returncode == 2 and "error: --resume" in proc.stderr and "model mismatch: vocab_size 1000" \
+        in proc.stderr, proc.stderr[-2000:]
+    proc = run_job(FSDP, tmp_path / "w", 0, *TINY, "--resume", base / "ds_ck" / "step_3")
+    assert proc.returncode == 2 and "helpers.convert" in proc.stderr
+    assert not (tmp_path / "m" / "summary.json").exists()

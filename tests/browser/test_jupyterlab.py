@@ -6,7 +6,8 @@ Starts ``jupyter lab`` from this Python's bin/ on a free localhost port, serving
 notebook (so JupyterLab can never save over the repo's files), drives headless Chromium (Debian's
 ``chromium``, found on PATH or $CHROMIUM) with Playwright, opens the ``.py`` with the "Jupytext
 Notebook" factory, runs all cells under ``GUIDE_SIZE=quick``, and checks from the notebook model that
-no cell errored and that a figure rendered. A screenshot lands in the test's tmp dir.
+no cell errored and that a figure rendered, and from the page that the optional ipywidgets panel at
+the end rendered. A screenshot lands in the test's tmp dir.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def test_notebook_runs_in_jupyterlab(lab, tmp_path):
             page.evaluate("() => window.jupyterapp.started")
             result = page.evaluate(OPEN_AND_RUN, NOTEBOOK)  # returns when the last cell has run
             page.wait_for_selector(".jp-RenderedImage img", timeout=30_000)
+            page.wait_for_selector(".jupyter-button", timeout=30_000)  # the optional panel rendered (ipywidgets)
             page.locator(".jp-RenderedImage img").first.scroll_into_view_if_needed()
         finally:
             page.screenshot(path=str(tmp_path / "jupyterlab.png"), full_page=True)

@@ -16,7 +16,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup lab test test-unit test-notebooks notebooks lint clean
+.PHONY: setup lab test test-unit test-notebooks test-browser notebooks lint clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ test-unit: setup
 # nbval executes every notebook; GUIDE_SIZE=quick runs the same cells with fewer steps
 test-notebooks: setup
 	GUIDE_SIZE=quick $(PY) -m pytest -q --nbval-lax notebooks/ -p no:cacheprovider
+
+# JupyterLab in headless Chromium (Debian's chromium package): opens notebooks/00_launching.py
+# through jupytext, runs every cell, checks for errors and a figure; screenshot in pytest's tmp dir
+test-browser: setup
+	@command -v chromium >/dev/null || { echo "error: test-browser needs chromium: apt-get install chromium" >&2; exit 2; }
+	GUIDE_BROWSER_TEST=1 GUIDE_SIZE=quick $(PY) -m pytest -q -rP tests/browser -p no:cacheprovider
 
 # .py (percent format) is the source: rebuild each .ipynb from it and execute it for outputs,
 # then write the .py back in jupytext's canonical form (bash cells commented) so ruff can read it

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .compat import normalize_fsdp_config
+
 Backend = Literal["fsdp", "deepspeed"]
 Precision = Literal["no", "bf16"]
 ModelDtype = Literal["auto", "bf16", "fp32"]
@@ -255,9 +257,9 @@ def _find_file(name: str, yaml_path: str) -> Path | None:
 
 
 def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPOptions, list[str]]:
-    sec = c.section(raw, "fsdp_config", _FSDP_KEYS)
+    fsdp_sec, notes = normalize_fsdp_config(raw.get("fsdp_config") or {})  # legacy spellings, warned
+    sec = c.section({**raw, "fsdp_config": fsdp_sec}, "fsdp_config", _FSDP_KEYS)
     par = c.section(raw, "parallelism_config", _PAR_KEYS)
-    notes: list[str] = []
     o = FSDPOptions()
     version = sec.get("fsdp_version", 1)
     raf = sec.get("fsdp_reshard_after_forward")
@@ -401,8 +403,8 @@ def _read_ds_json(c: _Checker, o: DeepSpeedOptions, path: str, notes: list[str])
     fp16 = (js.get("fp16") or {}).get("enabled", False)
     if fp16 not in (False, "false"):
         c.fail(f"{path}: fp16.enabled = {fp16!r}: this guide trains in bf16 or fp32; allowed: false")
-    if bf16 == "auto":
-        c.fail(f"{path}: bf16.enabled = 'auto' needs a mixed_precision to fill it from; write true or false")
+    if bf16 == "auto":  # filled at launch: on, unless --model-dtype fp32 (see load_job_config)
+        return "bf16", notes
     mp: Precision = "bf16" if c.value(f"{path}: bf16.enabled", bf16, bool) else "no"
     return mp, notes
 
@@ -434,6 +436,8 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
         ds, mp, notes = _deepspeed_options(c, raw)
         job = JobConfig(path, "deepspeed", mp, train, deepspeed=ds, notes=notes)
         _merge_ds_training(c, job, overrides or {})
+        if (ds.json.get("bf16") or {}).get("enabled") == "auto" and job.train.model_dtype == "fp32":
+            job.mixed_precision = "no"  # bf16.enabled "auto": an fp32 model trains in fp32
         hpz = ds.json.get("zero_optimization", {}).get("zero_hpz_partition_size", 1)
         if not isinstance(hpz, int) or hpz < 1:
             c.fail(f"zero_optimization.zero_hpz_partition_size = {hpz!r}: expected an integer >= 1")

@@ -110,3 +110,78 @@ def mode_key(job) -> str:
     return f"zero{job.deepspeed.zero_stage}" + ("_hpz" if hpz > 1 else "")
 
 
+
+
+# --------------------------------------------------------------------------- settings, key by key
+# The rest of a launch config, as data: which FSDP key says what which DeepSpeed key says.
+# ``exact``: the two settings do the same thing (the translator converts silently); otherwise
+# helpers.translate converts to the nearest choice and prints ``note`` as a warning.
+
+
+@dataclass(frozen=True)
+class Setting:
+    topic: str
+    fsdp: str  # Accelerate fsdp_config key (or top-level key)
+    deepspeed: str  # Accelerate deepspeed_config key or DeepSpeed JSON path
+    exact: bool
+    note: str = ""
+
+
+SETTINGS: list[Setting] = [
+    Setting("sharding", "fsdp_reshard_after_forward / fsdp_sharding_strategy", "zero_optimization.stage", True,
+            "through MODES: FULL_SHARD = ZeRO-3, NO_SHARD = ZeRO-0; SHARD_GRAD_OP ~ ZeRO-2 and "
+            "HYBRID_SHARD ~ ZeRO++ hpZ are the nearest, not the same"),
+    Setting("hybrid groups", "parallelism_config_dp_shard_size", "zero_optimization.zero_hpz_partition_size",
+            False, "HYBRID_SHARD replicates across groups; hpZ shards across all ranks and adds a "
+            "secondary bf16 param shard per group"),
+    Setting("offload", "fsdp_offload_params: true", "offload_param + offload_optimizer device: cpu", True,
+            "FSDP moves params, grads and optimizer states together; ZeRO-3 needs both DeepSpeed keys for "
+            "that; DeepSpeed's param-only, optimizer-only and nvme offload have no FSDP counterpart"),
+    Setting("loading", "fsdp_cpu_ram_efficient_loading (+ fsdp_sync_module_states)", "zero3_init_flag", True,
+            "both avoid a full model per rank at load time; zero3_init_flag only exists for ZeRO-3"),
+    Setting("checkpoint", "fsdp_state_dict_type", "zero3_save_16bit_model", True,
+            "SHARDED_STATE_DICT = per-rank DeepSpeed checkpoint; FULL_STATE_DICT = one consolidated file "
+            "(fp32 from FSDP with bf16 mixed precision, bf16 from DeepSpeed)"),
+    Setting("prefetch", "fsdp_forward_prefetch / fsdp_backward_prefetch",
+            "zero_optimization.stage3_prefetch_bucket_size", False,
+            "hints only, they never change the losses: FSDP2 prefetches one module ahead, DeepSpeed "
+            "prefetches a bucket of bytes; NO_PREFETCH = bucket size 0"),
+    Setting("mixed precision", "mixed_precision: bf16", "bf16.enabled: true", True,
+            "fp32 shards + bf16 compute + bf16 reduction on FSDP = fp32 master + bf16 params + bf16 "
+            "gradient buffer (DeepSpeed's default data_types) on ZeRO: bit-identical losses"),
+    Setting("low precision", "mixed_precision: no (model loaded in bf16)", "(none)", False,
+            "DeepSpeed always keeps an fp32 master with bf16 on; bf16.enabled false trains fp32, "
+            "which is FSDP with --model-dtype fp32"),
+    Setting("reduce dtype", "(none: bf16 under mixed_precision bf16)",
+            "data_types.grad_accum_dtype + communication_data_type", False,
+            "an fp32 gradient buffer/reduction on DeepSpeed has no fsdp_config key"),
+    Setting("accumulation", "(script: --grad-accum)", "gradient_accumulation_steps", True,
+            "the translation writes \"auto\", so the job's --grad-accum fills it on both sides"),
+    Setting("clipping", "(script: --grad-clip, default off)", "gradient_clipping", True,
+            "the translation writes \"auto\" (DeepSpeed would clip at 1.0 when the key is missing)"),
+]
+
+
+def settings_rows() -> list[dict]:
+    """The key-by-key table, for display."""
+    return [{"topic": s.topic, "FSDP (Accelerate)": s.fsdp, "DeepSpeed": s.deepspeed,
+             "exact": "yes" if s.exact else "nearest", "note": s.note} for s in SETTINGS]
+
+
+# Sharding: FSDP mode <-> DeepSpeed mode (MODES keys), with whether the pair is the same thing.
+# ZeRO-1 has no FSDP mode: its nearest is SHARD_GRAD_OP (which also shards what ZeRO-1 shards).
+COUNTERPARTS: list[tuple[str, str, bool]] = [
+    ("no_shard", "zero0", True),
+    ("shard_grad_op", "zero2", False),
+    ("full_shard", "zero3", True),
+    ("hybrid_shard", "zero3_hpz", False),
+    ("shard_grad_op", "zero1", False),
+]
+
+
+def counterpart(key: str) -> tuple[Mode, bool]:
+    """The other backend's mode for MODES[key] (first match in COUNTERPARTS) and whether it is exact."""
+    for f, d, exact in COUNTERPARTS:
+        if key in (f, d):
+            return MODES[d if key == f else f], exact
+    raise KeyError(f"no counterpart for mode {key!r}")

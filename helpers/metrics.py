@@ -4,7 +4,7 @@ A job started with ``--out DIR`` writes, from rank 0 only:
 
 ``DIR/config.json``
     The fully resolved job: the parsed launch config, CLI overrides, the
-    DeepSpeed JSON with every "auto" filled, world size, device.
+    DeepSpeed JSON with every "auto" filled (and ``deepspeed.filled``: which), world size, device.
 ``DIR/metrics.jsonl``
     One JSON object per optimizer step, keys in ``STEP_KEYS``.
 ``DIR/log.txt``

@@ -277,6 +277,7 @@ def main(argv=None) -> int:
             if step == probe_step:
                 dtypes.arm()
             updates.before()
+            lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
             with Timer(device) as timer:
                 loss, grad_norm = engine.train_step(batches, probe if step == probe_step else None)
             peak.sample()
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
             if step == probe_step:
                 summary.update(memory_summary(job, probe, peak, summary["num_params"], t.micro_batch))
             dist.all_reduce(loss)
-            rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": t.lr,
+            rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": lr,
                    "step_time_s": timer.seconds,
                    "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds, **updates.after(),
                    "elapsed_s": time.perf_counter() - T0}
@@ -370,12 +371,18 @@ def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
 
     resolved, filled = job.to_dict(), []
     if job.backend == "deepspeed":
-        from .backends.deepspeed import resolved_ds_config
+        import torch
 
+        from .backends.deepspeed import resolved_ds_config
+        from .models import model_config, resolve_model
+
+        hidden = getattr(model_config(resolve_model(job.train.model)), "hidden_size", None)
         try:
-            resolved["deepspeed"]["json"], filled = resolved_ds_config(job, world_size)
+            resolved["deepspeed"]["json"], filled = resolved_ds_config(
+                job, world_size, hidden, "cuda" if torch.cuda.is_available() else "cpu")
         except ValueError as e:
             raise ConfigError(f"{job.source}: {e}") from None
+        resolved["deepspeed"]["filled"] = filled  # which "auto" values the job filled
     return resolved, filled
 
 

@@ -160,3 +160,17 @@ for r in (fsdp, ds):
 #   every later notebook reads.
 #
 # Next: `01_sharding` — what each rank actually holds under each FSDP strategy and ZeRO stage.
+
+# %% [markdown]
+# ## Optional: try other settings
+#
+# Nothing below is part of the story above, and nothing runs until you click **Run**. The
+# panel launches the same `torchrun -m helpers.train` jobs into its own run directories
+# (`notebooks/runs/panel_00_*`), shows their progress, and redraws the side-by-side plot from
+# them. Try another learning rate, the `small` model, or 1 and 4 ranks.
+
+# %%
+from helpers import widgets
+
+widgets.ControlPanel("00", {"FSDP FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
+                            "DeepSpeed ZeRO-3": "launch_configs/deepspeed/zero3.yaml"}, steps=STEPS)

@@ -262,3 +262,42 @@ recap
 #   shards vs bf16 shards + fp32 master.
 #
 # Next: `02_precision` — why that split made the seeds' FSDP run stall.
+
+# %% [markdown]
+# ## Appendix: the rest of a config, key by key
+#
+# Sharding is one row of a launch config. `helpers.mapping.SETTINGS` holds the others as
+# data, and `python -m helpers.translate` reads it to turn an FSDP config into the DeepSpeed
+# one that trains the same way (and back), with a warning and the nearest choice for every
+# setting that has no exact counterpart:
+
+# %%
+pd.set_option("display.max_colwidth", 90)
+pd.DataFrame(mapping.settings_rows()).set_index("topic")
+
+# %% language="bash"
+# python -m helpers.translate launch_configs/fsdp/shard_grad_op.yaml --to deepspeed -o notebooks/runs/01_sgo_as_ds.yaml
+
+# %%
+from helpers import translate
+
+sgo = translate.translate("launch_configs/fsdp/shard_grad_op.yaml", "deepspeed")
+assert sgo.json["zero_optimization"]["stage"] == 2 and not sgo.exact  # ZeRO-2 is the nearest, not the same
+assert translate.translate("launch_configs/fsdp/full_shard.yaml", "deepspeed").exact  # FULL_SHARD = ZeRO-3
+
+# %% [markdown]
+# ## Optional: other settings, and a memory estimate for your model
+#
+# Nothing below is part of the story above, and nothing runs until you click **Run**. The
+# panel launches the selected modes into its own run directories (`notebooks/runs/panel_01_*`)
+# and redraws what rank 0 holds. The estimator applies the ZeRO model of this notebook to any
+# size of model: per-rank bytes for both backends, next to the measured bars of the runs above.
+
+# %%
+from helpers import widgets
+
+widgets.ControlPanel("01", {key: mode.config for key, mode in mapping.MODES.items()},
+                     plot=widgets.plot_memory, selected=["full_shard", "zero3"], steps=3)
+
+# %%
+widgets.MemoryEstimator(num_params=7_000_000_000)

@@ -381,3 +381,19 @@ print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.
 # * Aligned FSDP and DeepSpeed are identical step for step; a DeepSpeed default left
 #   implicit (clipping at 1.0) is enough to make them drift. Gradient accumulation agrees
 #   closely but not bitwise: the backends reduce and accumulate in a different order.
+
+# %% [markdown]
+# ## Optional: try other settings
+#
+# Nothing below is part of the story above, and nothing runs until you click **Run**. The
+# panel launches the three precision setups into its own run directories
+# (`notebooks/runs/panel_02_*`) and redraws their loss curves. Move the learning rate and
+# watch where the bf16-only line stops stalling.
+
+# %%
+from helpers import widgets
+
+widgets.ControlPanel("02", {"FSDP low precision": "launch_configs/fsdp/full_shard_low_precision.yaml",
+                            "FSDP aligned": "launch_configs/fsdp/full_shard.yaml",
+                            "DeepSpeed ZeRO-3": "launch_configs/deepspeed/zero3.yaml"},
+                     selected=["FSDP low precision", "FSDP aligned", "DeepSpeed ZeRO-3"], steps=STEPS, lr=LR)

@@ -23,42 +23,94 @@ from torch.autograd.profiler import record_function
 from ..config import JobConfig
 
 
-def resolved_ds_config(job: JobConfig, world_size: int) -> tuple[dict, list[str]]:
-    """The DeepSpeed config dict with every "auto" filled; also the list of what was filled."""
+def resolved_ds_config(job: JobConfig, world_size: int, hidden_size: int | None = None,
+                       device_type: str = "cpu") -> tuple[dict, list[str]]:
+    """The DeepSpeed config dict with every "auto" filled; also the list of what was filled.
+
+    Filled as Accelerate fills its templates, from the job's settings: batch sizes, accumulation,
+    clipping (``--grad-clip``; DeepSpeed's own default is 1.0 when the key is missing), ``bf16.enabled``
+    (on unless ``--model-dtype fp32``), the ZeRO bucket sizes from the model's ``hidden_size``, and an
+    ``optimizer``/``scheduler`` defined in the JSON (Accelerate's DummyOptim/DummyScheduler pattern:
+    DeepSpeed builds them; lr and weight decay come from the job). On CPU an Adam/AdamW there gets
+    ``torch_adam: true`` unless the JSON says otherwise (DeepSpeed's fused Adam is a C++ op build).
+    """
     js = copy.deepcopy(job.deepspeed.json)
     t = job.train
-    fill = {
-        "train_micro_batch_size_per_gpu": t.micro_batch,
-        "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.micro_batch * t.grad_accum * world_size,
-        "gradient_clipping": t.grad_clip,
-    }
-    filled = []
-    for k, v in fill.items():
-        if js.get(k, "auto") == "auto":
-            if k in js or k != "gradient_clipping":
-                js[k] = v
-                filled.append(f"{k}={v}")
-    if js["train_batch_size"] != fill["train_batch_size"]:
+    filled: list[str] = []
+
+    def fill(where: dict, key: str, value, name: str | None = None, only_auto: bool = True):
+        if (key in where and where[key] == "auto") or (not only_auto and key not in where):
+            where[key] = value
+            filled.append(f"{name or key}={value}")
+
+    fill(js, "train_micro_batch_size_per_gpu", t.micro_batch, only_auto=False)
+    fill(js, "gradient_accumulation_steps", t.grad_accum, only_auto=False)
+    fill(js, "train_batch_size", t.micro_batch * t.grad_accum * world_size, only_auto=False)
+    fill(js, "gradient_clipping", t.grad_clip)  # missing: DeepSpeed's default 1.0 (see config)
+    want = t.micro_batch * t.grad_accum * world_size
+    if js["train_batch_size"] != want:
         raise ValueError(
             f"train_batch_size = {js['train_batch_size']} in the DeepSpeed config, but micro-batch "
-            f"{t.micro_batch} x accumulation {t.grad_accum} x {world_size} ranks = {fill['train_batch_size']}"
+            f"{t.micro_batch} x accumulation {t.grad_accum} x {world_size} ranks = {want}"
         )
+    if isinstance(js.get("bf16"), dict):
+        fill(js["bf16"], "enabled", job.mixed_precision == "bf16", "bf16.enabled")
+    zo = js.get("zero_optimization")
+    if isinstance(zo, dict) and hidden_size:
+        h = hidden_size
+        for key, value in (("reduce_bucket_size", h * h), ("stage3_prefetch_bucket_size", int(0.9 * h * h)),
+                           ("stage3_param_persistence_threshold", 10 * h)):
+            fill(zo, key, value, f"zero_optimization.{key}")
+    opt = js.get("optimizer")
+    if isinstance(opt, dict):
+        params = opt.setdefault("params", {})
+        for key, value in (("lr", t.lr), ("weight_decay", t.weight_decay), ("betas", [0.9, 0.999]),
+                           ("eps", 1e-8)):
+            fill(params, key, value, f"optimizer.params.{key}")
+        if device_type == "cpu" and str(opt.get("type", "")).lower() in ("adam", "adamw"):
+            fill(params, "torch_adam", True, "optimizer.params.torch_adam", only_auto=False)
+    sched = js.get("scheduler")
+    if isinstance(sched, dict):
+        params = sched.setdefault("params", {})
+        lr = (opt or {}).get("params", {}).get("lr", t.lr) if isinstance(opt, dict) else t.lr
+        for key, value in (("warmup_min_lr", 0), ("warmup_max_lr", lr),
+                           ("warmup_num_steps", max(1, t.steps // 10)), ("total_num_steps", t.steps)):
+            fill(params, key, value, f"scheduler.params.{key}")
+    left = _autos(js)
+    if left:
+        raise ValueError(f"{', '.join(left)} = \"auto\": this guide has nothing to fill it from; write a value")
     js.setdefault("zero_allow_untested_optimizer", True)  # a torch optimizer, as Accelerate passes
     js.setdefault("steps_per_print", 10**12)
     js.setdefault("wall_clock_breakdown", False)
     return js, filled
 
 
+def _autos(d, prefix: str = "") -> list[str]:
+    """Dotted paths of the values still "auto"."""
+    out = []
+    for k, v in d.items():
+        if v == "auto":
+            out.append(prefix + k)
+        elif isinstance(v, dict):
+            out += _autos(v, f"{prefix}{k}.")
+    return out
+
+
 def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device) -> DeepSpeedEngine:
+    """DeepSpeed engine; the optimizer is a torch AdamW, or the one the JSON defines (DummyOptim pattern)."""
     import deepspeed
 
-    ds_config, _ = resolved_ds_config(job, dist.get_world_size())
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    ds_config, _ = resolved_ds_config(job, dist.get_world_size(), hidden, device.type)
     model.to(device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
-    )
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if "optimizer" in ds_config:  # DeepSpeed builds optimizer (and scheduler) from the JSON
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                       config=ds_config)
+    else:
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
+        )
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if job.train.compile:
         engine.compile()  # torch.compile of the wrapped module, ZeRO's hooks kept outside the graph
     return DeepSpeedEngine(engine, optimizer)
@@ -75,6 +127,11 @@ class DeepSpeedEngine:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    @property
+    def current_lr(self) -> float:
+        """The learning rate the next step uses (a JSON scheduler moves it)."""
+        return float(self.engine.get_lr()[0])
 
     def train_step(self, batches: list[torch.Tensor], probe=None) -> tuple[torch.Tensor, float]:
         """Forward/backward every micro-batch, then one optimizer step. ``probe``: see helpers.memory."""

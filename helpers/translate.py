@@ -1,0 +1,430 @@
+"""Translate an Accelerate FSDP config into the DeepSpeed one that trains the same way, and back.
+
+    python -m helpers.translate launch_configs/fsdp/full_shard.yaml --to deepspeed -o runs/ds.yaml
+    python -m helpers.translate launch_configs/deepspeed/zero3.yaml --to fsdp
+
+The mapping comes from ``helpers.mapping`` (``MODES``/``COUNTERPARTS`` for
+sharding, ``SETTINGS`` for the rest: offload, loading, checkpoint format,
+prefetch, mixed precision, accumulation, clipping). Every key of the input is
+either translated or reported: a ``warning:`` line names the key, the value,
+why there is no exact counterpart and the nearest choice that was written; a
+``note:`` line reports keys that only matter to logging or the launcher.
+Nothing is dropped silently. No warnings means the translation is exact.
+
+A DeepSpeed translation is a YAML plus a DeepSpeed JSON (``OUT.json`` next to
+``OUT.yaml``): the JSON carries what Accelerate's inline keys cannot
+(``gradient_clipping: "auto"``, hpZ, prefetch buckets). Without ``-o`` both
+are printed. The output is checked with ``helpers.config`` before it is
+written; bad input exits 2 with one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .compat import normalize_fsdp_config
+from .config import ConfigError, JobConfig, _read_yaml, load_job_config
+from .mapping import CATEGORIES, MODES, counterpart, mode_key
+
+# Top-level keys that only tell `accelerate launch` where and how many: copied as they are.
+_LAUNCH_KEYS = ["compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "gpu_ids", "machine_rank",
+                "main_process_ip", "main_process_port", "main_training_function", "num_machines", "num_processes",
+                "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu",
+                "dynamo_config"]
+# DeepSpeed JSON keys that change logging only, not training.
+_DS_LOGGING = {"steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer", "comms_logger",
+               "flops_profiler", "tensorboard", "wandb", "csv_monitor", "memory_breakdown", "dump_state"}
+_DS_LAUNCHER = {"deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_inclusion_filter",
+                "deepspeed_exclusion_filter"}
+
+
+@dataclass
+class Translation:
+    source: str
+    to: str
+    yaml: dict
+    json: dict | None = None  # the DeepSpeed JSON (to deepspeed only)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        return not self.warnings
+
+    def header(self) -> str:
+        lines = [f"Translated from {self.source} by python -m helpers.translate --to {self.to}."]
+        lines += ["Exact: no setting changed meaning."] if self.exact else [
+            "Not exact - nearest choices were written for:", *[f"  warning: {w}" for w in self.warnings]]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "".join(f"# {line}\n" for line in lines)
+
+    def write(self, out: str) -> list[Path]:
+        """Write OUT.yaml (and OUT.json for DeepSpeed); returns the paths written."""
+        out_p = Path(out)
+        out_p.parent.mkdir(parents=True, exist_ok=True)
+        written = []
+        data = dict(self.yaml)
+        if self.json is not None:
+            js = out_p.with_suffix(".json")
+            js.write_text(json.dumps(self.json, indent=2) + "\n")
+            written.append(js)
+            data["deepspeed_config"] = {"deepspeed_config_file": _path_for_yaml(js), **data["deepspeed_config"]}
+        out_p.write_text(self.header() + yaml.safe_dump(data, sort_keys=False))
+        return [out_p, *written]
+
+
+def _path_for_yaml(p: Path) -> str:
+    """Relative to the working directory when under it (as the shipped configs are), else absolute."""
+    p = p.resolve()
+    try:
+        return str(p.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
+# --------------------------------------------------------------------------- FSDP -> DeepSpeed
+
+
+def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
+    o = job.fsdp
+    sec, _ = normalize_fsdp_config(raw.get("fsdp_config") or {})
+    left = dict(sec)  # every key is popped by the rule that reads it; leftovers are reported
+    left.pop("fsdp_version", None)  # FSDP1 vs FSDP2 spelling: no meaning for DeepSpeed
+    t.notes += [n for n in job.notes if "fsdp_version" not in n]  # legacy spellings that were read
+    if "fsdp_backward_prefetch_policy" in (raw.get("fsdp_config") or {}):
+        t.warnings.append("fsdp_config.fsdp_backward_prefetch_policy: ignored by Accelerate and by this guide; "
+                          "nothing to translate (nearest: DeepSpeed's default prefetching)")
+    warn = t.warnings.append
+
+    # sharding: through the mode table
+    for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
+        left.pop(k, None)
+    par = dict(raw.get("parallelism_config") or {})
+    key = "shard_grad_op" if o.sharding == "HYBRID_SHARD_ZERO2" else mode_key(job)
+    target, exact = counterpart(key)
+    stage = int(target.key[4])
+    zo: dict = {"stage": stage}
+    if o.sharding == "HYBRID_SHARD_ZERO2":
+        warn("sharding HYBRID_SHARD_ZERO2: DeepSpeed has no hybrid ZeRO-2; nearest: ZeRO-2 across all ranks")
+    elif not exact:
+        warn(f"sharding {o.sharding}: nearest is {target.zero} (zero_optimization.stage {stage}"
+             f"{', zero_hpz_partition_size' if target.key == 'zero3_hpz' else ''}), not the same: "
+             f"{_gap(MODES[key], target)}")
+    if target.key == "zero3_hpz":
+        size = o.hybrid_shard_size or _ranks_per_node(raw)
+        if size:
+            zo["zero_hpz_partition_size"] = size
+        else:
+            warn("parallelism_config: no shard group size to give hpZ; nearest: plain ZeRO-3 (set "
+                 "zero_optimization.zero_hpz_partition_size to the GPUs per node)")
+    for k in par:
+        if target.key != "zero3_hpz" and k != "parallelism_config_dp_replicate_size":
+            warn(f"parallelism_config.{k} = {par[k]}: no DeepSpeed counterpart here; dropped")
+
+    # offload: FSDP moves params, grads and optimizer states together
+    if left.pop("fsdp_offload_params", False) is not False and o.offload_params:
+        if stage == 3:
+            zo["offload_param"] = {"device": "cpu"}
+            zo["offload_optimizer"] = {"device": "cpu"}
+        elif stage > 0:
+            zo["offload_optimizer"] = {"device": "cpu"}
+            warn(f"fsdp_offload_params = true under {o.sharding}: ZeRO-{stage} can offload the optimizer "
+                 "(and its gradients) but not params; nearest: offload_optimizer cpu only")
+        else:
+            warn("fsdp_offload_params = true under NO_SHARD: ZeRO-0 cannot offload; nearest: no offload "
+                 "(ZeRO-1 and up offload the optimizer)")
+
+    # loading
+    loading = left.pop("fsdp_cpu_ram_efficient_loading", None)
+    init_flag = bool(o.cpu_ram_efficient_loading and stage == 3)
+    if o.cpu_ram_efficient_loading and stage != 3:
+        warn(f"fsdp_cpu_ram_efficient_loading = true: zero3_init_flag only exists for ZeRO-3, this is ZeRO-{stage}; "
+             "nearest: false (every rank builds the full model)")
+    del loading
+    sync = left.pop("fsdp_sync_module_states", None)
+    if sync is not None and not o.sync_module_states:
+        warn("fsdp_sync_module_states = false: DeepSpeed always broadcasts rank 0's weights at initialize; "
+             "nearest: that")
+
+    # checkpoint format
+    sdt = left.pop("fsdp_state_dict_type", None)
+    save16 = o.state_dict_type == "FULL_STATE_DICT"
+    if save16 and sdt is not None:
+        if stage < 3:
+            warn(f"fsdp_state_dict_type = FULL_STATE_DICT under ZeRO-{stage}: the module is whole on every rank "
+                 "and DeepSpeed saves it in its own dtype (bf16 with bf16 on); zero3_save_16bit_model is "
+                 "ZeRO-3 only; nearest: false")
+            save16 = False
+        elif job.mixed_precision == "bf16":
+            warn("fsdp_state_dict_type = FULL_STATE_DICT: FSDP (bf16 mixed precision) consolidates fp32 weights, "
+                 "zero3_save_16bit_model consolidates bf16; nearest: true (fp32: zero_to_fp32 on the checkpoint)")
+
+    # prefetch hints
+    fwd, bwd = left.pop("fsdp_forward_prefetch", None), left.pop("fsdp_backward_prefetch", None)
+    if fwd is not None or bwd is not None:
+        if o.backward_prefetch == "NO_PREFETCH" and not o.forward_prefetch and stage == 3:
+            zo["stage3_prefetch_bucket_size"] = 0
+            warn("fsdp_backward_prefetch = NO_PREFETCH: nearest is stage3_prefetch_bucket_size 0, which also "
+                 "stops forward prefetching (a hint: losses do not change)")
+        else:
+            warn(f"fsdp_forward_prefetch = {o.forward_prefetch}, fsdp_backward_prefetch = {o.backward_prefetch}: "
+                 "DeepSpeed prefetches a bucket of bytes in forward and backward "
+                 f"({'stage3_prefetch_bucket_size' if stage == 3 else 'nothing to prefetch below ZeRO-3'}); "
+                 "nearest: its default (a hint: losses do not change)")
+
+    # wrapping and the rest
+    policy = left.pop("fsdp_auto_wrap_policy", None)
+    if policy is not None and o.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
+        warn(f"fsdp_auto_wrap_policy = {o.auto_wrap_policy}: DeepSpeed has no wrap policy (ZeRO-3 gathers each "
+             "block's params as it runs); nearest: its default")
+    for k in ("fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params"):
+        if k in left:
+            warn(f"fsdp_config.{k} = {left.pop(k)!r}: no DeepSpeed key (no wrap policy); dropped")
+    if left.pop("fsdp_activation_checkpointing", False) and o.activation_checkpointing:
+        warn("fsdp_activation_checkpointing = true: no DeepSpeed config key; nearest: call "
+             "model.gradient_checkpointing_enable() in the script")
+    if "fsdp_use_orig_params" in left and not left.pop("fsdp_use_orig_params"):
+        warn("fsdp_use_orig_params = false: FSDP1 flat params; DeepSpeed (and FSDP2) train the original "
+             "parameters; nearest: that")
+    left.pop("fsdp_use_orig_params", None)
+    for k, v in left.items():
+        warn(f"fsdp_config.{k} = {v!r}: no DeepSpeed counterpart in helpers.mapping; dropped")
+
+    # precision, accumulation, clipping
+    if job.mixed_precision == "no":
+        warn("mixed_precision = no: FSDP then trains the model in the dtype it was loaded in (bf16 by default: "
+             "bf16 params, grads and Adam states); DeepSpeed with bf16 on always keeps an fp32 master; nearest: "
+             "bf16.enabled false = fp32 training, which is this file under --model-dtype fp32")
+    js = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",  # the job's --grad-accum, as with FSDP
+        "gradient_clipping": "auto",  # the job's --grad-clip (FSDP default: off); missing would mean 1.0
+        "bf16": {"enabled": job.mixed_precision == "bf16"},
+        "zero_optimization": {**zo, **({"stage3_gather_16bit_weights_on_model_save": True} if save16 else {})},
+    }
+    t.json = js
+    t.yaml = {**_launch_keys(raw), "distributed_type": "DEEPSPEED",
+              "deepspeed_config": {"zero3_init_flag": init_flag}}
+
+
+def _gap(src, dst) -> str:
+    """What differs between two modes, from the mapping data: sharded categories, then the modes' notes."""
+    def name(m):
+        return m.fsdp1 if m.backend == "fsdp" else m.zero
+
+    parts = [f"{c} sharded by {name(a)}, full on every rank with {name(b)}"
+             for a, b in ((src, dst), (dst, src)) for c in CATEGORIES if c in a.sharded and c not in b.sharded]
+    return "; ".join(parts + [f"{name(m)}: {m.note}" for m in (src, dst) if m.note])
+
+
+def _ranks_per_node(raw: dict) -> int | None:
+    n, m = raw.get("num_processes"), raw.get("num_machines") or 1
+    return n // m if isinstance(n, int) and m > 1 and n % m == 0 else None
+
+
+def _launch_keys(raw: dict) -> dict:
+    return {k: raw[k] for k in _LAUNCH_KEYS if k in raw}
+
+
+# --------------------------------------------------------------------------- DeepSpeed -> FSDP
+
+
+def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
+    d = job.deepspeed
+    warn = t.warnings.append
+    sec = dict(raw.get("deepspeed_config") or {})
+    js = {k: v for k, v in d.json.items()}  # the JSON, or the one built from inline keys
+    zo = dict(js.pop("zero_optimization", {}) or {})
+    for k in ("deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
+              "gradient_accumulation_steps", "gradient_clipping", "zero3_save_16bit_model"):
+        sec.pop(k, None)  # read again below through the JSON (inline keys were copied into it)
+
+    # sharding
+    key = mode_key(job)
+    target, exact = counterpart(key)
+    zo.pop("stage", None)
+    hpz = zo.pop("zero_hpz_partition_size", None)
+    fc: dict = {}
+    if target.key == "no_shard":
+        fc.update(fsdp_version=1, fsdp_sharding_strategy="NO_SHARD")  # FSDP2 has no NO_SHARD flag
+    else:
+        fc.update(fsdp_version=2, fsdp_reshard_after_forward=target.key != "shard_grad_op")
+    par = None
+    if not exact:
+        warn(f"zero_optimization.stage {d.zero_stage}{f' + zero_hpz_partition_size {hpz}' if hpz else ''}: "
+             f"nearest is {target.fsdp1} ({target.fsdp2}), not the same: {_gap(MODES[key], target)}")
+    if target.key == "hybrid_shard":
+        n = raw.get("num_processes")
+        par = {"parallelism_config_dp_shard_size": hpz}
+        if isinstance(n, int) and n % hpz == 0:
+            par["parallelism_config_dp_replicate_size"] = n // hpz
+    fc["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
+
+    # offload
+    devs = {w: (zo.pop(f"offload_{w}", None) or {}) for w in ("param", "optimizer")}
+    dev = {w: devs[w].get("device", "none") for w in devs}
+    offload = any(v != "none" for v in dev.values())
+    if offload and not (dev["param"] == dev["optimizer"] == "cpu"):
+        what = ", ".join(f"offload_{w} {v}" for w, v in dev.items() if v != "none")
+        warn(f"{what}: FSDP offloads params, grads and optimizer states together, to CPU only (no nvme, "
+             "no param-only or optimizer-only); nearest: fsdp_offload_params true")
+    for w, sub in devs.items():
+        extra = {k: v for k, v in sub.items() if k != "device"}
+        if extra:
+            warn(f"offload_{w} {extra}: no FSDP counterpart (FSDP offload has no buffers or paths); dropped")
+    fc["fsdp_offload_params"] = offload
+
+    # checkpoint format and loading
+    save16 = bool(zo.pop("stage3_gather_16bit_weights_on_model_save", False))
+    if save16 and d.zero_stage < 3:
+        warn(f"stage3_gather_16bit_weights_on_model_save under ZeRO-{d.zero_stage}: a ZeRO-3 setting; "
+             "nearest: FULL_STATE_DICT")
+    elif save16 and job.mixed_precision == "bf16":
+        warn("zero3_save_16bit_model: DeepSpeed consolidates bf16 weights, FSDP's FULL_STATE_DICT fp32 ones "
+             "(bf16 mixed precision keeps fp32 shards); nearest: FULL_STATE_DICT")
+    fc["fsdp_state_dict_type"] = "FULL_STATE_DICT" if save16 else "SHARDED_STATE_DICT"
+    init = sec.pop("zero3_init_flag", None)
+    if d.zero3_init_flag and d.zero_stage < 3:
+        warn(f"zero3_init_flag = true under ZeRO-{d.zero_stage}: Accelerate ignores it below ZeRO-3; "
+             "nearest: fsdp_cpu_ram_efficient_loading false")
+    fc["fsdp_cpu_ram_efficient_loading"] = bool(d.zero3_init_flag and d.zero_stage == 3)
+    del init
+    if fc["fsdp_cpu_ram_efficient_loading"]:
+        fc["fsdp_sync_module_states"] = True  # Accelerate requires it with efficient loading
+
+    # prefetch hints and the other ZeRO knobs
+    bucket = zo.pop("stage3_prefetch_bucket_size", None)
+    if bucket is not None:
+        if bucket == 0:
+            fc["fsdp_backward_prefetch"] = "NO_PREFETCH"
+        warn(f"zero_optimization.stage3_prefetch_bucket_size = {bucket}: FSDP2 prefetches one module ahead, not "
+             f"by bytes; nearest: {'fsdp_backward_prefetch NO_PREFETCH' if bucket == 0 else 'its default'} "
+             "(a hint: losses do not change)")
+    for k, v in zo.items():
+        warn(f"zero_optimization.{k} = {v!r}: no FSDP knob; dropped")
+
+    # precision
+    bf16 = (js.pop("bf16", None) or {}).get("enabled")
+    js.pop("fp16", None)  # helpers.config refuses fp16 enabled
+    if bf16 == "auto":
+        warn("bf16.enabled = auto: filled at launch (on unless --model-dtype fp32); nearest: mixed_precision bf16")
+    if job.mixed_precision == "no":
+        warn("bf16.enabled = false: DeepSpeed trains fp32; FSDP's mixed_precision no trains in the dtype the "
+             "model was loaded in (bf16 by default); nearest: mixed_precision no, run with --model-dtype fp32")
+    dt = js.pop("data_types", None)
+    comm = js.pop("communication_data_type", None)
+    if dt or comm:
+        warn(f"data_types {dt or {}} / communication_data_type {comm}: FSDP here reduces in bf16 under bf16 "
+             "mixed precision, and no fsdp_config key changes it; nearest: that")
+
+    # batch, accumulation, clipping: script settings on the FSDP side
+    for k, flag in (("train_micro_batch_size_per_gpu", "--micro-batch"), ("gradient_accumulation_steps",
+                                                                         "--grad-accum")):
+        v = js.pop(k, "auto")
+        if v != "auto":
+            warn(f"{k} = {v}: no fsdp_config key (the script's setting); nearest: pass {flag} {v}")
+    tbs = js.pop("train_batch_size", "auto")
+    if tbs != "auto":
+        warn(f"train_batch_size = {tbs}: no fsdp_config key; it is micro-batch x accumulation x ranks")
+    clip = js.pop("gradient_clipping", None)
+    if clip is None:
+        warn("gradient_clipping is not set, so DeepSpeed clips at its default 1.0; FSDP clips only when the "
+             "script does; nearest: pass --grad-clip 1.0")
+    elif clip not in ("auto", 0, 0.0):
+        warn(f"gradient_clipping = {clip}: no fsdp_config key (the script clips); nearest: pass --grad-clip {clip}")
+
+    # optimizer and scheduler from the JSON (DummyOptim pattern)
+    for k in ("optimizer", "scheduler"):
+        if k in js:
+            v = js.pop(k)
+            warn(f"{k} {v.get('type')} {v.get('params', {})}: with FSDP the script builds it (this guide: AdamW, "
+                 "constant --lr); nearest: pass --lr" + (f" {v['params']['lr']}" if k == "optimizer" and
+                                                         v.get("params", {}).get("lr") not in (None, "auto") else ""))
+
+    for k in sorted(js):
+        if k in _DS_LOGGING:
+            t.notes.append(f"{k} = {js[k]!r}: logging only, nothing to translate")
+        else:
+            warn(f"{k} = {js[k]!r}: no FSDP counterpart in helpers.mapping; dropped")
+    for k, v in sec.items():
+        if k in _DS_LAUNCHER:
+            t.notes.append(f"deepspeed_config.{k} = {v!r}: DeepSpeed launcher setting; FSDP runs under "
+                           "torchrun/accelerate launch")
+        else:
+            warn(f"deepspeed_config.{k} = {v!r}: no FSDP counterpart; dropped")
+
+    t.yaml = {**_launch_keys(raw), "distributed_type": "FSDP", "mixed_precision": job.mixed_precision,
+              "fsdp_config": fc, **({"parallelism_config": par} if par else {})}
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def translate(path: str, to: str) -> Translation:
+    """Translate one launch config; raises ConfigError (one line) on bad input."""
+    if to not in ("deepspeed", "fsdp"):
+        raise ConfigError(f"--to = {to!r}: allowed values are deepspeed, fsdp")
+    job = load_job_config(path)
+    if job.backend == to:
+        raise ConfigError(f"{path}: already a {to} config (distributed_type "
+                          f"{'FSDP' if to == 'fsdp' else 'DEEPSPEED'}); translate it --to "
+                          f"{'deepspeed' if to == 'fsdp' else 'fsdp'}")
+    raw = _read_yaml(path)
+    t = Translation(path, to, {})
+    (_fsdp_to_deepspeed if to == "deepspeed" else _deepspeed_to_fsdp)(raw, job, t)
+    return t
+
+
+def check(t: Translation, out: str | None = None) -> JobConfig:
+    """Validate the translation with helpers.config (written to ``out``, or to a temporary directory)."""
+    if out:
+        t.write(out)
+        return load_job_config(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        p = t.write(os.path.join(tmp, Path(t.source).stem + f"_{t.to}.yaml"))[0]
+        return load_job_config(str(p))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m helpers.translate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("config")
+    ap.add_argument("--to", required=True, choices=["deepspeed", "fsdp"])
+    ap.add_argument("-o", "--out", help="write OUT.yaml (+ OUT.json for DeepSpeed); default: print them")
+    args = ap.parse_args(argv)
+    try:
+        t = translate(args.config, args.to)
+        if args.out and Path(args.out).suffix not in (".yaml", ".yml"):
+            raise ConfigError(f"-o {args.out}: expected a .yaml or .yml file name")
+        check(t, args.out)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for w in t.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    for n in t.notes:
+        print(f"note: {n}", file=sys.stderr)
+    if args.out:
+        print(f"wrote {args.out}" + (f" and {Path(args.out).with_suffix('.json')}" if t.json else "")
+              + (" (exact)" if t.exact else f" ({len(t.warnings)} warnings)"))
+    else:
+        name = Path(args.config).stem + f"_{args.to}"
+        data = dict(t.yaml)
+        if t.json is not None:
+            data["deepspeed_config"] = {"deepspeed_config_file": f"{name}.json", **data["deepspeed_config"]}
+        sys.stdout.write(t.header() + yaml.safe_dump(data, sort_keys=False))
+        if t.json is not None:
+            sys.stdout.write(f"# ---- {name}.json\n" + json.dumps(t.json, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

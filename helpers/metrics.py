@@ -41,7 +41,8 @@ STEP_KEYS = {
     "tokens_per_s": "tokens one rank processed per second in this step",
     "updated_fraction": "share of parameter elements the optimizer step changed, in the tensor it updates "
                         "(FSDP: the shard; DeepSpeed: the fp32 master); all ranks' local shards, summed "
-                        "(helpers.precision.UpdateTracker); null above 50M params or for DeepSpeed ZeRO 0-2",
+                        "(helpers.precision.UpdateTracker); null above 50M params, for DeepSpeed ZeRO 0-2 "
+                        "and with the optimizer on NVMe",
     "updated_fraction_compute": "the same, for the values rounded to the compute dtype (what forward uses)",
 }
 

@@ -99,8 +99,10 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
         assert files, f"no swap files for rank {rank} under {swap}"
         on_disk = sum(f.stat().st_size for f in files)
         assert sum(v["disk"] for v in nvme["memory_location_bytes"][rank].values()) == on_disk
+        assert places(nvme, "master_params", rank) == {"disk"}
+        states = nvme["memory_location_bytes"][rank]["optimizer_states"]  # Adam's step counter stays in memory
+        assert states["disk"] > 1000 * states["host"] and states["device"] == 0, states
         for cat in ("optimizer_states", "master_params"):
-            assert places(nvme, cat, rank) == {"disk"}, cat
             # the same tensors as in memory, padded to the aio block size at most
             assert plain["memory_bytes"][rank][cat] <= nvme["memory_bytes"][rank][cat]
             assert nvme["memory_bytes"][rank][cat] < plain["memory_bytes"][rank][cat] + 2**20

@@ -11,12 +11,12 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export OMP_NUM_THREADS ?= 1
 export PYTHONWARNINGS ?= ignore::FutureWarning
 export PYTHONNOUSERSITE := 1
+export DEBIAN_FRONTEND := noninteractive
 
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
-.PHONY: setup lab test test-unit test-notebooks test-browser notebooks lint clean
 
 setup: $(STAMP)
 
@@ -29,8 +29,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 $(QUIET)
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[dev]" $(QUIET)
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@$(MAKE) --no-print-directory libaio
 	$(PY) -m helpers.warmup
 	touch $(STAMP)
+
+# NVMe offload (notebook 03) needs libaio's header for DeepSpeed's async_io op. Installed here when
+# we can (root with apt-get, as in CI); otherwise a note, and the NVMe parts are skipped, saying why.
+libaio:
+	@test -e /usr/include/libaio.h || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+		{ apt-get install -y -qq libaio-dev || { apt-get update -qq && apt-get install -y -qq libaio-dev; }; } \
+		>/dev/null 2>&1 && echo "setup: installed libaio-dev"; } || \
+		echo "setup: libaio-dev is not installed (needs root: sudo apt-get install libaio-dev, then" \
+		"python -m helpers.warmup); NVMe offload will be skipped"
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/

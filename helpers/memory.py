@@ -148,13 +148,16 @@ class SavedActivations:
 class StepProbe:
     """Measures one training step: activations of its first forward, state after its last backward."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, locate=None):
         self.activations = SavedActivations(model)
         self.state: dict[str, int] | None = None
+        self.locate, self.locations = locate, None  # locate(engine): see helpers.offload
 
     def forward(self, micro_step: int):
         return self.activations if micro_step == 0 else nullcontext()
 
     def after_backward(self, engine) -> None:
         self.state = state_bytes(engine)
+        if self.locate:
+            self.locations = self.locate(engine)
 

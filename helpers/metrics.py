@@ -43,7 +43,8 @@ STEP_KEYS = {
     "tokens_per_s": "tokens one rank processed per second in this step",
     "updated_fraction": "share of parameter elements the optimizer step changed, in the tensor it updates "
                         "(FSDP: the shard; DeepSpeed: the fp32 master); all ranks' local shards, summed "
-                        "(helpers.precision.UpdateTracker); null above 50M params or for DeepSpeed ZeRO 0-2",
+                        "(helpers.precision.UpdateTracker); null above 50M params, for DeepSpeed ZeRO 0-2 "
+                        "and with the optimizer on NVMe",
     "updated_fraction_compute": "the same, for the values rounded to the compute dtype (what forward uses)",
     "elapsed_s": "seconds from process start to the end of this step on rank 0; its differences are the whole "
                  "loop's time per step, the harness's own work between steps included (benchmarks/overhead.py)",
@@ -79,7 +80,12 @@ SUMMARY_KEYS = {
     "wall_time_s": "seconds from process start to the summary",
     "mode_key": "key of the sharding mode in helpers.mapping.MODES (e.g. full_shard, zero3)",
     "memory_bytes": "per rank (list): bytes of params, grads, optimizer_states, master_params held "
-                    "after backward, before the optimizer step of step 1 (helpers.memory)",
+                    "after backward, before the optimizer step of step 1 (helpers.memory), wherever they "
+                    "live (NVMe swap files included); memory_location_bytes says where",
+    "memory_location_bytes": "per rank (list): the same bytes split by location, {category: {device, host, "
+                             "disk}}: device = accelerator (on a CPU-only run: not offloaded), host = host "
+                             "memory the backend offloaded to, disk = this rank's NVMe swap files "
+                             "(helpers.offload)",
     "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.mapping)",
     "peak_memory_bytes": "per rank (list): peak memory over the job (see peak_memory_source)",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",

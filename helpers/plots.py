@@ -193,3 +193,22 @@ def collective_bars(table, ax=None):
     ax.set(ylabel="per step", title="collectives per step (rank 0)")
     ax.legend()
     return ax
+def location_bars(runs: list[Run], labels: list[str] | None = None, axes=None, rank: int = 0, unit: float = 1e6):
+    """Where one rank's state lives: a panel per location (device, host, disk), a stacked bar per run."""
+    from .mapping import CATEGORIES
+    from .offload import LOCATIONS
+
+    if axes is None:
+        _, axes = plt.subplots(1, len(LOCATIONS), sharey=True, figsize=(12, 3.8))
+    labels = labels or [r.label for r in runs]
+    for ax, where in zip(axes, LOCATIONS, strict=True):
+        bottom = [0.0] * len(runs)
+        for cat in CATEGORIES:
+            mb = [r.summary["memory_location_bytes"][rank][cat][where] / unit for r in runs]
+            ax.bar(labels, mb, bottom=bottom, label=cat, color=CATEGORY_COLORS[cat])
+            bottom = [b + m for b, m in zip(bottom, mb, strict=True)]
+        ax.set_title(where)
+        ax.tick_params(axis="x", rotation=30)
+    axes[0].set_ylabel("MB" if unit == 1e6 else f"x {unit:g} bytes")
+    axes[-1].legend(fontsize=8)
+    return axes

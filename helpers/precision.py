@@ -145,6 +145,12 @@ class DtypeProbe:
         zopt = ds.optimizer
         if not hasattr(p, "ds_tensor"):  # ZeRO 0-2: no per-param partitions to read
             return {"stored_param": short(p.dtype), "reduce_dtype": short(ds.communication_data_type)}
+        if getattr(zopt, "swap_optimizer", False):  # NVMe: master and states are on disk during the step
+            master_dtype = short(zopt.master_weights_and_grads_dtype)
+            return {"stored_param": short(p.ds_tensor.dtype), "master_param": master_dtype,
+                    "optimizer_param": master_dtype, "reduce_dtype": short(ds.communication_data_type),
+                    "stored_grad": short(zopt.grad_partitions_flat_buffer.dtype), "optimizer_grad": master_dtype,
+                    "optimizer_states": None}
         master = safe_get_local_fp32_param(p)
         inner = _inner_optimizer(self.engine)
         flat = next(t for g in inner.param_groups for t in g["params"] if _same_storage(t, master))
@@ -176,7 +182,8 @@ class UpdateTracker:
     def __init__(self, engine, num_params: int):
         self.engine = engine
         zero3 = engine.backend == "fsdp" or hasattr(next(engine.module.parameters()), "ds_tensor")
-        self.enabled = num_params <= self.MAX_PARAMS and zero3
+        swapped = engine.backend == "deepspeed" and getattr(engine.engine.optimizer, "swap_optimizer", False)
+        self.enabled = num_params <= self.MAX_PARAMS and zero3 and not swapped  # NVMe: the master is on disk
         self._before: list | None = None
         self._buffers: list | None = None
 

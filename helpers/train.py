@@ -25,6 +25,7 @@ import sys
 import time
 import warnings
 from datetime import timedelta
+from functools import partial
 from importlib import metadata
 
 from .throughput import positive_tflops
@@ -127,6 +128,9 @@ def main(argv=None) -> int:
         spec = resolve_model(job.train.model)
         if spec.kind != "preset":
             model_config(spec)  # a config.json that transformers cannot read is bad input too
+        from .offload import prepare
+
+        job.notes += prepare(job, args.out)  # NVMe swap dir inside the run; libaio checked
         resolved, ds_filled = resolve_job(job, world_size)
         check_observers(job, spec, args)  # --profile needs enough steps; the FSDP wrap classes exist
         guard = JobGuard(args.out, rank, world_size, timeout=job.train.timeout)
@@ -161,6 +165,7 @@ def main(argv=None) -> int:
     from .memory import PeakMemory, StepProbe
     from .metrics import RunDir, Timer, summarize_steps
     from .models import build_model, count_params, synthetic_batch
+    from .offload import state_locations
     from .precision import DtypeProbe, UpdateTracker
     from .profiling import StepProfiler
     from .progress import Progress
@@ -258,7 +263,9 @@ def main(argv=None) -> int:
                       "model_config": json.loads(model.config.to_json_string())}
         dtypes.attach(engine)
         updates = UpdateTracker(engine, summary["num_params"])
-        probe_step, probe = start + min(1, t.steps - start - 1), StepProbe(model)  # step 1: Adam's states exist
+        locate = partial(state_locations, accelerator=use_cuda, rank=rank,
+                         ds_json=job.deepspeed.json if job.deepspeed else None)
+        probe_step, probe = start + min(1, t.steps - start - 1), StepProbe(model, locate)  # step 1: Adam's states exist
         vocab = model.config.vocab_size
         run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
                 f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
@@ -341,6 +348,7 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
     import torch.distributed as dist
 
     from .mapping import MODES, mode_key, theory_bytes
+    from .offload import totals
 
     key = mode_key(job)
     shard_group = secondary = None
@@ -358,7 +366,8 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
                           model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
     return {
         "mode_key": key,
-        "memory_bytes": gather(probe.state),
+        "memory_bytes": gather(totals(probe.locations)),  # probe.state + swap files + host fp32 grads
+        "memory_location_bytes": gather(probe.locations),
         "memory_theory_bytes": theory,
         "peak_memory_source": peak.source,
         "activation_bytes_per_sample": probe.activations.bytes / micro_batch,

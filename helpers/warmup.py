@@ -1,10 +1,20 @@
 """Build DeepSpeed's CPU ops once, up front, so no notebook cell waits on gcc.
 
-    python -m helpers.warmup            # what every DeepSpeed CPU job needs (~1 min the first time)
+    python -m helpers.warmup            # what every DeepSpeed CPU job needs, and the NVMe-offload op
 
-The builds are cached under ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``); a second call takes a second or two. ``make
-setup`` runs this. On a GPU node DeepSpeed builds its CUDA ops itself.
+What it builds, and what each costs the first time on 2 idle cores:
+
+* ``deepspeed_shm_comm`` (shared-memory collectives; every DeepSpeed CPU job), ~1 min;
+* ``async_io`` (Linux async I/O; only NVMe offload, ``launch_configs/deepspeed/zero3_nvme.yaml``),
+  ~5 min, and only where libaio's header is installed (``apt-get install libaio-dev``; ``make
+  setup`` installs it when run as root). Without it this step is skipped with a note, and the
+  offload notebook skips its NVMe run, saying why.
+
+Nothing else is built: the CPU offload configs step a torch AdamW on the host
+(``zero_force_ds_cpu_optimizer: false``), so DeepSpeed's ``cpu_adam`` op is never needed.
+The builds are cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
+a second call takes a few seconds. ``make setup`` runs this. On a GPU node DeepSpeed builds
+its CUDA ops itself, when first used.
 """
 
 from __future__ import annotations
@@ -28,6 +38,20 @@ def main() -> int:
 
     build_shm_op()
     print(f"warmup: done in {time.perf_counter() - t0:.1f} s")
+
+    from .offload import aio_status
+
+    usable, state = aio_status()
+    if not usable:
+        print(f"warmup: skipping DeepSpeed's async_io op (NVMe offload): {state}")
+        return 0
+    t0 = time.perf_counter()
+    if state != "built":
+        print("warmup: building DeepSpeed's async_io op for NVMe offload (~5 min on 2 cores, once)...", flush=True)
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    AsyncIOBuilder().load(verbose=False)
+    print(f"warmup: async_io ready in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -1,0 +1,270 @@
+"""Offload: where each kind of training state lives - accelerator, host memory or disk.
+
+``state_locations(engine, accelerator)`` splits the bytes of ``helpers.memory``'s four
+categories (params, grads, optimizer_states, master_params) over ``LOCATIONS``:
+
+``device``  accelerator memory (GPU); on a CPU-only run, where training keeps what it
+            did not offload;
+``host``    host memory the backend offloaded to: FSDP2's ``CPUOffloadPolicy`` (params,
+            their grads and optimizer states, all together), DeepSpeed's
+            ``offload_optimizer`` (fp32 master, Adam's states, reduced gradient
+            partitions) and ``offload_param`` (bf16 parameter partitions, except the small
+            "persistent" ones ZeRO-3 keeps whole next to the compute);
+``disk``    DeepSpeed's NVMe swap files of this rank, measured as file sizes on disk
+            (``nvme_path/zero_stage_3/{bfloat16params,optimizer}/rank{r}/*.swp``).
+
+On a GPU run a tensor's place is read from the tensor itself (``t.device``: cuda is
+device, cpu is host). On a CPU-only machine both are the same RAM, so the place is the
+backend's own bookkeeping: the tensors it put in its offload path are "host". That shows
+*where* each backend puts what, not a saving (see notebooks/03_offload).
+
+Also here: ``prepare(job, out)`` (before any rank starts) gives each run its own swap
+directory and refuses NVMe offload without libaio, and ``aio_status()`` says whether
+DeepSpeed's async I/O op can be used and whether it is built yet.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .mapping import CATEGORIES
+from .memory import _ds_tensors, _fsdp_tensors, _local
+
+LOCATIONS = ("device", "host", "disk")
+
+# swap file -> category, by DeepSpeed's file names (runtime/swap_tensor/*):
+#   {dtype}params/rank{r}/{ds_id}_param.tensor.swp          bf16 parameter partition
+#   optimizer/rank{r}/{ds_id}.tensor.swp                    fp32 master partition
+#   optimizer/rank{r}/{state}-{ds_id}.tensor.swp            Adam's exp_avg / exp_avg_sq
+#   optimizer/rank{r}/{ds_id}_gradient_{off}_{n}.tensor.swp fp32 gradients handed to the optimizer
+
+
+def _swap_category(path: Path) -> str:
+    name = path.name
+    if path.parent.parent.name.endswith("params"):
+        return "params"
+    if "_gradient_" in name:
+        return "grads"
+    if "-" in name.split(".")[0]:
+        return "optimizer_states"
+    return "master_params"
+
+
+def swap_dirs(ds_json: dict) -> list[Path]:
+    """The nvme_path directories a DeepSpeed config swaps to (empty without NVMe offload)."""
+    zo = ds_json.get("zero_optimization", {})
+    out = []
+    for what in ("offload_param", "offload_optimizer"):
+        sec = zo.get(what) or {}
+        if sec.get("device") == "nvme" and sec.get("nvme_path"):
+            p = Path(sec["nvme_path"])
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def swap_file_bytes(ds_json: dict, rank: int) -> dict[str, int]:
+    """Bytes per category in this rank's swap files on disk."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    for base in swap_dirs(ds_json):
+        for f in (base / "zero_stage_3").glob(f"*/rank{rank}/*.swp"):
+            out[_swap_category(f)] += f.stat().st_size
+    return out
+
+
+def _fsdp_offloaded(engine) -> set[int]:
+    """Storage addresses FSDP2 keeps in its offload path (params, their grads, optimizer states)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    offloaded = set()
+    for m in engine.model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group else []:
+            if not fp.offload_to_cpu:
+                continue
+            p = fp.sharded_param
+            ts = [p, p.grad, *engine.optimizer.state.get(p, {}).values()]
+            offloaded |= {_local(t).untyped_storage().data_ptr() for t in ts if torch.is_tensor(t)}
+    return offloaded
+
+
+def _ds_offloaded(engine) -> tuple[set[int], set[int]]:
+    """(storages DeepSpeed put in host memory, storages of params whose partition is on NVMe)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    zopt = engine.engine.optimizer
+    groups = _ds_tensors(engine)
+    host: list = []
+    if getattr(zopt, "offload_optimizer", False) or getattr(zopt, "cpu_offload", False):
+        host += groups["grads"] + _ds_fp32_grads(engine) + groups["optimizer_states"] + groups["master_params"]
+    on_disk = []
+    for p in engine.module.parameters():
+        t = getattr(p, "ds_tensor", None)
+        if t is None:
+            continue
+        if getattr(t, "final_location", None) == OffloadDeviceEnum.nvme:
+            on_disk.append(t)  # counted from its swap file; a live buffer is scratch
+        elif getattr(zopt, "offload_param", False) and not getattr(p, "ds_persist", False):
+            host.append(t)
+    ptr = lambda ts: {t.untyped_storage().data_ptr() for t in ts if torch.is_tensor(t) and t.numel()}  # noqa: E731
+    return ptr(host), ptr(on_disk)
+
+
+def _ds_fp32_grads(engine) -> list:
+    """The fp32 gradient partitions an offloaded DeepSpeed optimizer keeps next to its master (a
+    separate buffer on the host, alive between steps; without offload they exist only during step)."""
+    zopt = engine.engine.optimizer
+    if not (getattr(zopt, "offload_optimizer", False) or getattr(zopt, "cpu_offload", False)):
+        return []
+    masters = getattr(zopt, "fp32_partitioned_groups_flat", None) or getattr(
+        zopt, "single_partition_of_fp32_groups", [])
+    return [m.grad for m in masters if m.grad is not None]
+
+
+def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | None = None) -> dict:
+    """{category: {location: bytes}} for this rank; totals per category match helpers.memory.state_bytes
+    plus what is on disk."""
+    if engine.backend == "fsdp":
+        groups, offloaded, skip = _fsdp_tensors(engine), _fsdp_offloaded(engine), set()
+    else:
+        groups, (offloaded, skip) = _ds_tensors(engine), _ds_offloaded(engine)
+        groups["grads"] = groups["grads"] + _ds_fp32_grads(engine)
+    out = {cat: dict.fromkeys(LOCATIONS, 0) for cat in CATEGORIES}
+    seen: set[int] = set()
+    for cat in CATEGORIES:  # the same walk as memory.state_bytes: each storage once
+        for t in groups[cat]:
+            if not torch.is_tensor(t):
+                continue
+            t = _local(t)
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if t.numel() == 0 or storage.nbytes() == 0 or ptr in seen or ptr in skip:
+                continue
+            seen.add(ptr)
+            if t.device.type != "cpu":
+                where = "device"
+            elif accelerator or ptr in offloaded:
+                where = "host"
+            else:
+                where = "device"
+            out[cat][where] += storage.nbytes()
+    if engine.backend == "deepspeed" and ds_json:
+        for cat, n in swap_file_bytes(ds_json, rank).items():
+            out[cat]["disk"] += n
+    return out
+
+
+def totals(locations: dict) -> dict[str, int]:
+    """Bytes per category wherever they live."""
+    return {cat: sum(where.values()) for cat, where in locations.items()}
+
+
+# --------------------------------------------------------------------------- before the job
+
+
+def prepare(job, out: str) -> list[str]:
+    """Give a relative nvme_path a home inside the run directory; refuse NVMe without libaio.
+
+    Raises helpers.config.ConfigError (one line) before any rank starts. Returns notes for log.txt.
+    """
+    from .config import ConfigError
+
+    if job.backend != "deepspeed":
+        return []
+    zo = job.deepspeed.json.get("zero_optimization", {})
+    notes = []
+    for what in ("offload_param", "offload_optimizer"):
+        sec = zo.get(what) or {}
+        if sec.get("device") != "nvme":
+            continue
+        path = sec.get("nvme_path")
+        if not path:
+            raise ConfigError(f"{job.source}: zero_optimization.{what}.device = nvme needs an nvme_path "
+                              "(a directory on a local drive)")
+        if not os.path.isabs(path):
+            sec["nvme_path"] = str(Path(out).resolve() / path)
+            notes.append(f"{what}.nvme_path {path!r} is relative: swapping to {sec['nvme_path']}")
+    if notes:
+        ok, why = aio_status()
+        if not ok:
+            raise ConfigError(f"{job.source}: offload to nvme needs DeepSpeed's async_io op, which cannot be "
+                              f"built here: {why}")
+    return notes
+
+
+def aio_status() -> tuple[bool, str]:
+    """(usable, what to expect): can DeepSpeed's async_io op load here, and is it built yet?"""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    b = AsyncIOBuilder()
+    if not b.is_compatible(verbose=False):
+        return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev, then make setup)"
+    return True, "built" if _built(b.name) else "not built yet: the first NVMe job compiles it (~5 min on 2 cores)"
+
+
+def _built(name: str) -> bool:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        d = Path(_get_build_directory(name, verbose=False))
+    except Exception:  # noqa: BLE001 - an unusable cache dir just means "not built"
+        return False
+    return any(d.glob(f"{name}*.so"))
+
+
+# --------------------------------------------------------------------------- reading runs
+
+
+def settings_table(configs: dict):
+    """One row per config (dict label -> path under launch_configs/, no suffix): its offload keys."""
+    import pandas as pd
+
+    from .config import load_job_config
+
+    rows = {}
+    for label, path in configs.items():
+        job = load_job_config(f"launch_configs/{path}.yaml")
+        if job.fsdp:
+            on = job.fsdp.offload_params
+            rows[label] = {"key": f"fsdp_offload_params: {str(on).lower()}",
+                           "optimizer states to": "host" if on else "-", "params to": "host" if on else "-"}
+        else:
+            ds = job.deepspeed
+            name = {"none": "-", "cpu": "host", "nvme": "disk"}
+            rows[label] = {"key": f"offload_optimizer: {ds.offload_optimizer_device}, "
+                                  f"offload_param: {ds.offload_param_device}",
+                           "optimizer states to": name[ds.offload_optimizer_device],
+                           "params to": name[ds.offload_param_device]}
+    return pd.DataFrame(rows).T
+
+
+def where(run, category: str, rank: int = 0) -> dict[str, int]:
+    """{location: bytes} of one category in a finished run, locations holding nothing left out."""
+    return {loc: n for loc, n in run.summary["memory_location_bytes"][rank][category].items() if n}
+
+
+def location_table(runs: dict, rank: int = 0, unit: float = 1e6):
+    """One row per run (dict label -> Run), one column per category: 'host 41.7' (MB), places joined by ' + '."""
+    import pandas as pd
+
+    rows = {}
+    for label, run in runs.items():
+        rows[label] = {cat: " + ".join(f"{loc} {n / unit:.1f}" for loc, n in where(run, cat, rank).items()) or "-"
+                       for cat in CATEGORIES}
+    return pd.DataFrame(rows).T
+
+
+def location_totals(runs: dict, rank: int = 0, unit: float = 1e6):
+    """One row per run: MB of state on device, host and disk, and the total."""
+    import pandas as pd
+
+    rows = {}
+    for label, run in runs.items():
+        locs = run.summary["memory_location_bytes"][rank]
+        rows[label] = {loc: sum(locs[c][loc] for c in CATEGORIES) / unit for loc in LOCATIONS}
+        rows[label]["total"] = sum(rows[label].values())
+    return pd.DataFrame(rows).T.round(1)

@@ -1,0 +1,286 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Offload: where the bytes live
+#
+# **The question.** The seeds' offload row says: FSDP offloads all or nothing, while
+# DeepSpeed offloads parameters and the optimizer separately, and can go to NVMe. What does
+# each setting really move, where does each kind of state end up, and what do the extra
+# copies cost?
+#
+# **What we run.** The same model, data and steps with six configs, 2 ranks each:
+#
+# | run | config | offload setting |
+# |---|---|---|
+# | FSDP, no offload | `launch_configs/fsdp/full_shard.yaml` | - |
+# | FSDP offload | `launch_configs/fsdp/full_shard_offload.yaml` | `fsdp_offload_params: true` |
+# | DeepSpeed, no offload | `launch_configs/deepspeed/zero3.yaml` | - |
+# | DeepSpeed optimizer | `launch_configs/deepspeed/zero3_offload_optimizer.yaml` | `offload_optimizer: cpu` |
+# | DeepSpeed params + optimizer | `launch_configs/deepspeed/zero3_offload.yaml` | `offload_optimizer` + `offload_param: cpu` |
+# | DeepSpeed NVMe | `launch_configs/deepspeed/zero3_nvme.yaml` | both to `nvme`, a local directory |
+#
+# **What we look at.** (1) the bytes each rank holds, by kind of state and by *location*:
+# accelerator ("device"), host memory ("host"), disk; (2) checks of the seeds' claims
+# against those bytes; (3) step time as a ratio to no offload; (4) the losses.
+#
+# **Read this first on a CPU-only machine.** Here there is no accelerator: "device" and
+# "host" are the same RAM. The runs show where each backend *puts* its states (its own
+# bookkeeping: what it sends through its offload path) and what the extra copies cost; they
+# cannot show a saving, because nothing leaves the memory training uses. On a GPU the same
+# cells read each tensor's real device, and the "device" column is the accelerator memory
+# that offload frees.
+
+# %%
+import os
+
+from helpers import nb, offload, plots, results
+
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
+STEPS = 4 if SIZE == "quick" else 10
+GPUS = nb.gpu_count()
+NPROC = GPUS if GPUS else 2
+ARGS = "--model tiny --micro-batch 8 --seq-len 64"  # 0.58M params: every run takes seconds
+NVME_OK, NVME_STATE = offload.aio_status()
+os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC), ARGS=ARGS, NVME="1" if NVME_OK else "0",
+                  NVME_STATE=NVME_STATE)
+print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU only: device and host are the same RAM'})")
+
+# %% [markdown]
+# Two DeepSpeed limits shape what the tiny model (0.58M parameters) shows: ZeRO-3 keeps
+# parameters under `stage3_param_persistence_threshold` (100k elements) whole on every rank,
+# next to the compute, offload or not; and it swaps to NVMe only tensors of at least 1 MiB
+# per rank (the async I/O block). Here every decoder-layer weight is under the first (only
+# the embedding and output layer, 128k elements each, are partitioned), and every
+# parameter partition is under the second. Try `ARGS = "--model small ..."` (21M
+# parameters) to see parameters partitioned and swapped too: the same cells run, slower.
+#
+# ## NVMe needs a compiled op
+#
+# DeepSpeed reads and writes its swap files with Linux async I/O, a C++ op it compiles once
+# (it needs libaio's header: `apt-get install libaio-dev`). `make setup` installs the header
+# when it can and compiles the op (`python -m helpers.warmup`, about 5 minutes on 2 cores);
+# a notebook cell never compiles it without saying so:
+
+# %%
+if not NVME_OK:
+    print(f"NVMe run: SKIPPED here - {NVME_STATE}. The other five runs are unaffected.")
+elif NVME_STATE == "built":
+    print("NVMe run: DeepSpeed's async_io op is built; the NVMe run starts right away.")
+else:
+    print("NVMe run: async_io is NOT built yet. The NVMe cell below waits for a one-time compile "
+          "(~5 min on 2 cores) before its first step; `python -m helpers.warmup` does it ahead of time.")
+
+# %% [markdown]
+# ## The offload keys
+#
+# One key in FSDP, one per kind of state in DeepSpeed (read from the configs):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+CONFIGS = {"FSDP, no offload": "fsdp/full_shard", "FSDP offload": "fsdp/full_shard_offload",
+           "DeepSpeed, no offload": "deepspeed/zero3", "DeepSpeed optimizer": "deepspeed/zero3_offload_optimizer",
+           "DeepSpeed params + optimizer": "deepspeed/zero3_offload", "DeepSpeed NVMe": "deepspeed/zero3_nvme"}
+print(offload.settings_table(CONFIGS).to_string())
+
+# %% [markdown]
+# ## Six runs
+#
+# Each run measures, after the backward pass of step 1, every tensor of the four kinds of
+# state on each rank and where it is (`memory_location_bytes` in `summary.json`,
+# `helpers.offload`): on a GPU from the tensor's device; on this machine from the backend's
+# offload bookkeeping (FSDP2's `offload_to_cpu` per parameter, DeepSpeed's
+# `offload_optimizer`/`offload_param` and each partition's final location); NVMe-swapped
+# states from the sizes of the rank's swap files on disk.
+
+# %% language="bash"
+# for c in fsdp/full_shard fsdp/full_shard_offload deepspeed/zero3 deepspeed/zero3_offload_optimizer deepspeed/zero3_offload; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$c.yaml \
+#         --out notebooks/runs/03_$(basename $c) $ARGS --steps $STEPS | tail -n 1
+# done
+
+# %% [markdown]
+# The NVMe run swaps to `nvme_swap/` inside its run directory (the config's relative
+# `nvme_path`; on a real node point it at a fast local drive):
+
+# %% language="bash"
+# if [ "$NVME" = 1 ]; then
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/deepspeed/zero3_nvme.yaml \
+#         --out notebooks/runs/03_zero3_nvme $ARGS --steps $STEPS | tail -n 1
+#     find notebooks/runs/03_zero3_nvme/nvme_swap -name "*.swp" -path "*rank0*" | sort | head -n 8
+# else
+#     echo "skipped: $NVME_STATE"
+# fi
+
+# %%
+RUNS = {label: results.load_run(f"notebooks/runs/03_{path.split('/')[1]}") for label, path in CONFIGS.items()
+        if NVME_OK or "nvme" not in path}
+BASE = {label: RUNS["FSDP, no offload" if label.startswith("FSDP") else "DeepSpeed, no offload"] for label in RUNS}
+print(f"{len(RUNS)} runs loaded" + ("" if NVME_OK else f" (NVMe skipped: {NVME_STATE})"))
+
+# %% [markdown]
+# ## 1 · Where each state lives
+#
+# MB held by rank 0, per kind of state, and where:
+
+# %%
+print(offload.location_table(RUNS).to_string())
+
+# %%
+axes = plots.location_bars(list(RUNS.values()), list(RUNS))
+axes[0].figure.suptitle("rank 0's state by location" + ("" if GPUS else " (CPU only: device and host are one RAM)"))
+axes[0].figure.tight_layout()
+
+# %% [markdown]
+# **What it shows.**
+#
+# * **FSDP offload moves everything together**: the parameter shards, their gradients and
+#   Adam's states all go to the host, and the optimizer steps there. There is no key to
+#   offload less.
+# * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,
+#   Adam's states and the reduced gradient partitions go to the host, while the bf16
+#   parameter partitions stay next to the compute. DeepSpeed also keeps an fp32 copy of
+#   the gradient partition on the host for its host-side step, so the "grads" bar grows:
+#   offload moves bytes *and* adds some.
+# * **Params + optimizer** moves the bf16 parameter partitions to the host too. The
+#   "persistent" small parameters that ZeRO-3 keeps whole stay next to the compute - in
+#   this tiny model that is every decoder-layer weight, so "device" keeps most params.
+# * **NVMe**: the fp32 master and Adam's states are swap files on disk (one flat buffer
+#   per rank, over 1 MiB). The parameter partitions are each under 1 MiB, so DeepSpeed
+#   keeps them in host memory instead of swapping them.
+
+# %%
+def places(label, cat, rank=0):
+    return set(offload.where(RUNS[label], cat, rank))
+
+
+ALL3 = ("params", "grads", "optimizer_states")
+for rank in range(NPROC):
+    for cat in ALL3:  # FSDP: one switch moves params, grads and optimizer states together
+        assert places("FSDP, no offload", cat, rank) == {"device"}, cat
+        assert places("FSDP offload", cat, rank) == {"host"}, cat
+    assert places("DeepSpeed optimizer", "params", rank) == {"device"}  # DeepSpeed: the optimizer alone
+    for cat in ("optimizer_states", "master_params", "grads"):
+        assert places("DeepSpeed optimizer", cat, rank) == {"host"}, cat
+    both = offload.where(RUNS["DeepSpeed params + optimizer"], "params", rank)
+    alone = offload.where(RUNS["DeepSpeed optimizer"], "params", rank)
+    assert both["host"] > 0 and both["host"] + both.get("device", 0) == alone["device"], (both, alone)
+    if NVME_OK:
+        assert places("DeepSpeed NVMe", "master_params", rank) == {"disk"}
+        states = offload.where(RUNS["DeepSpeed NVMe"], "optimizer_states", rank)  # all but Adam's step counters
+        assert states["disk"] > 1000 * states.get("host", 0), states
+        if RUNS["DeepSpeed NVMe"].summary["model"] == "tiny":  # every partition under 1 MiB: none swapped
+            assert "disk" not in places("DeepSpeed NVMe", "params", rank)
+assert RUNS["FSDP offload"].summary["memory_bytes"] == RUNS["FSDP, no offload"].summary["memory_bytes"]
+print("FSDP moves params, grads and optimizer states together; DeepSpeed moves the optimizer alone, or "
+      "params too" + ("; NVMe states are on disk" if NVME_OK else ""))
+
+# %% [markdown]
+# The disk bytes are the swap files themselves, each rank's own (`helpers.offload`
+# reads `nvme_swap/zero_stage_3/*/rank{r}/*.swp`):
+
+# %%
+if NVME_OK:
+    nvme = RUNS["DeepSpeed NVMe"]
+    files = sorted((nvme.path / "nvme_swap" / "zero_stage_3").glob("*/rank0/*.swp"))
+    on_disk = sum(f.stat().st_size for f in files)
+    assert on_disk == sum(v["disk"] for v in nvme.summary["memory_location_bytes"][0].values()) > 0
+    print(f"rank 0: {len(files)} swap files, {on_disk / 1e6:.1f} MB; largest: "
+          + ", ".join(f"{f.parent.parent.name}/{f.name} {f.stat().st_size / 1e6:.1f} MB"
+                      for f in sorted(files, key=lambda f: -f.stat().st_size)[:3]))
+else:
+    print(f"NVMe skipped: {NVME_STATE}")
+
+# %% [markdown]
+# ## 2 · Totals per location
+#
+# The same bytes added up per location, next to the process's peak anonymous memory
+# (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated`). On this machine the
+# peak does not fall with offload - host and device are one memory - and NVMe trades
+# state for its staging buffers.
+
+# %%
+totals = offload.location_totals(RUNS)
+totals["peak MB (rank 0)"] = [r.summary["peak_memory_bytes"][0] / 1e6 for r in RUNS.values()]
+print(totals.round(1).to_string())
+
+# %% [markdown]
+# ## 3 · What the copies cost
+#
+# Median step time (first step excluded) of each run, as a ratio to the same backend
+# without offload. Timings on a shared 2-core machine vary by 15% or more between runs of
+# the same config: read the large ratios, not the small ones.
+
+# %%
+ratio = {label: r.summary["step_time_s"] / BASE[label].summary["step_time_s"] for label, r in RUNS.items()}
+ax = plots.plt.subplots()[1]
+ax.bar(list(ratio), list(ratio.values()),
+       color=[plots.COLORS[r.backend] for r in RUNS.values()])
+ax.axhline(1, color="black", lw=0.8)
+ax.set(ylabel="step time / no offload", title="step time relative to the same backend without offload")
+ax.tick_params(axis="x", rotation=20)
+for label, x in ratio.items():
+    print(f"{label:30s} {RUNS[label].summary['step_time_s'] * 1e3:8.0f} ms  x{x:.2f}")
+
+# %%
+assert all(0 < x < float("inf") for x in ratio.values()), ratio
+
+# %% [markdown]
+# **What it means here.** Without an accelerator, "copying to the host" is a copy within
+# the same RAM and the optimizer runs on the same cores either way, so CPU offload costs
+# little; NVMe adds writing and reading the swap files every step. On a GPU the picture
+# flips: each offloaded state crosses PCIe every step (params twice, for forward and
+# backward; gradients down, updated weights up) and a host optimizer step is slower than
+# a GPU one - that time is the price of the accelerator memory offload frees.
+#
+# ## 4 · The losses
+
+# %%
+losses = {label: r.summary["losses"] for label, r in RUNS.items()}
+same = {label: losses[label] == BASE[label].summary["losses"] for label in RUNS}
+for label in RUNS:
+    print(f"{label:30s} final loss {losses[label][-1]:.4f}  identical to no offload: {same[label]}")
+assert all(same.values()), same
+assert losses["FSDP, no offload"] == losses["DeepSpeed, no offload"]  # the aligned pair (notebook 02)
+
+# %% [markdown]
+# Every offload setting trains bit-identically to no offload, and the FSDP runs to the
+# DeepSpeed runs: offload changes where the arithmetic happens and where the bytes wait,
+# not the arithmetic. (On a GPU, a host-side optimizer step can round differently from the
+# GPU's kernels; then check the curves agree closely rather than bit for bit.)
+#
+# ## Recap
+#
+# What this machine measured (from the run directories):
+
+# %%
+print(f"{RUNS['FSDP, no offload'].summary['num_params'] / 1e6:.1f}M params, {NPROC} ranks, {STEPS} steps, "
+      f"on {RUNS['FSDP, no offload'].summary['device']}; MB on rank 0 (device / host / disk):")
+for label, row in totals.iterrows():
+    print(f"  {label:30s} {row['device']:7.1f} / {row['host']:7.1f} / {row['disk']:7.1f}   step time x{ratio[label]:.2f}")
+if not NVME_OK:
+    print(f"  DeepSpeed NVMe: skipped ({NVME_STATE})")
+
+# %% [markdown]
+# * FSDP has one offload switch, and it moves parameters, gradients and optimizer states
+#   together; DeepSpeed offloads the optimizer alone (the bf16 params stay), the params
+#   too, and either to NVMe, where the master weights and Adam's states become swap files.
+# * DeepSpeed's optimizer offload adds an fp32 gradient copy on the host; ZeRO-3 keeps its
+#   small persistent params next to the compute; only tensors of at least 1 MiB per rank
+#   go to disk.
+# * Losses do not change with offload. On this CPU-only machine nothing is saved - the
+#   locations are one RAM - and the step-time ratios are the bookkeeping and the copies;
+#   on a GPU the "device" column is what offload frees, paid for in PCIe traffic and a
+#   host-side optimizer step.

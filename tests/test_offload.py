@@ -1,0 +1,155 @@
+"""Every offload config runs on CPU, reports where each state lives, and trains like no offload.
+
+One 2-rank, 3-step tiny run per config, shared by the tests (session fixture). Without libaio
+the NVMe config is skipped (say why); CI installs it (make setup).
+"""
+
+import json
+
+import pytest
+from conftest import FSDP, REPO, ZERO3, run_job, summary
+
+from helpers import offload
+from helpers.config import load_job_config
+from helpers.mapping import CATEGORIES
+
+CONFIGS = {
+    "full_shard": FSDP,
+    "full_shard_offload": "launch_configs/fsdp/full_shard_offload.yaml",
+    "zero3": ZERO3,
+    "zero3_offload_optimizer": "launch_configs/deepspeed/zero3_offload_optimizer.yaml",
+    "zero3_offload": "launch_configs/deepspeed/zero3_offload.yaml",
+    "zero3_nvme": "launch_configs/deepspeed/zero3_nvme.yaml",
+}
+NVME_OK, NVME_STATE = offload.aio_status()
+needs_nvme = pytest.mark.skipif(not NVME_OK, reason=f"NVMe offload: {NVME_STATE}")
+
+
+@pytest.fixture(scope="session")
+def offload_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("offload")
+    outs = {}
+    for name, cfg in CONFIGS.items():
+        if name == "zero3_nvme" and not NVME_OK:
+            continue
+        proc = run_job(cfg, base / name, 2, "--model", "tiny", "--steps", "3")
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-3000:]}"
+        outs[name] = summary(base / name)
+        outs[name]["out"] = base / name
+    return outs
+
+
+def places(s: dict, cat: str, rank: int) -> set[str]:
+    return {loc for loc, n in s["memory_location_bytes"][rank][cat].items() if n}
+
+
+def test_losses_equal_no_offload(offload_runs):
+    base = offload_runs["zero3"]["losses"]
+    assert offload_runs["full_shard"]["losses"] == base  # the aligned pair, as without offload
+    for name, s in offload_runs.items():
+        assert s["status"] == "completed" and len(s["losses"]) == 3, name
+        assert s["losses"] == base, (name, s["losses"], base)  # bit for bit
+
+
+def test_every_run_reports_each_category_by_location(offload_runs):
+    for name, s in offload_runs.items():
+        assert len(s["memory_location_bytes"]) == 2, name
+        for rank in range(2):
+            locs = s["memory_location_bytes"][rank]
+            assert set(locs) == set(CATEGORIES)
+            assert all(set(v) == set(offload.LOCATIONS) for v in locs.values())
+            assert offload.totals(locs) == s["memory_bytes"][rank], name
+            if "nvme" not in name:
+                assert sum(v["disk"] for v in locs.values()) == 0, name
+
+
+def test_fsdp_offload_moves_everything_together(offload_runs):
+    plain, off = offload_runs["full_shard"], offload_runs["full_shard_offload"]
+    for rank in range(2):
+        for cat in ("params", "grads", "optimizer_states"):
+            assert places(plain, cat, rank) == {"device"}, cat
+            assert places(off, cat, rank) == {"host"}, cat
+    assert off["memory_bytes"] == plain["memory_bytes"]  # moved, not changed
+
+
+def test_deepspeed_offloads_the_optimizer_alone_or_with_params(offload_runs):
+    plain, opt, both = (offload_runs[k] for k in ("zero3", "zero3_offload_optimizer", "zero3_offload"))
+    for rank in range(2):
+        for cat in CATEGORIES:
+            assert places(plain, cat, rank) == {"device"}, cat
+        assert places(opt, "params", rank) == {"device"}  # params stay
+        for cat in ("optimizer_states", "master_params", "grads"):
+            assert places(opt, cat, rank) == {"host"} == places(both, cat, rank), cat
+        params = both["memory_location_bytes"][rank]["params"]
+        # partitions on the host; ZeRO-3's "persistent" small params stay whole next to the compute
+        assert params["host"] > 0 and params["device"] > 0, params
+        for cat in ("optimizer_states", "master_params"):
+            assert opt["memory_bytes"][rank][cat] == plain["memory_bytes"][rank][cat]
+    # the host optimizer keeps an fp32 copy of the gradient partition: 4 bytes per bf16 grad's 2
+    extra = opt["memory_bytes"][0]["grads"] - plain["memory_bytes"][0]["grads"]
+    assert extra == pytest.approx(2 * plain["memory_bytes"][0]["grads"], rel=0.01)
+
+
+@needs_nvme
+def test_nvme_states_are_measured_on_disk(offload_runs):
+    nvme, plain = offload_runs["zero3_nvme"], offload_runs["zero3"]
+    swap = nvme["out"] / "nvme_swap" / "zero_stage_3"
+    for rank in range(2):
+        files = list(swap.glob(f"*/rank{rank}/*.swp"))
+        assert files, f"no swap files for rank {rank} under {swap}"
+        on_disk = sum(f.stat().st_size for f in files)
+        assert sum(v["disk"] for v in nvme["memory_location_bytes"][rank].values()) == on_disk
+        assert places(nvme, "master_params", rank) == {"disk"}
+        states = nvme["memory_location_bytes"][rank]["optimizer_states"]  # Adam's step counter stays in memory
+        assert states["disk"] > 1000 * states["host"] and states["device"] == 0, states
+        for cat in ("optimizer_states", "master_params"):
+            # the same tensors as in memory, padded to the aio block size at most
+            assert plain["memory_bytes"][rank][cat] <= nvme["memory_bytes"][rank][cat]
+            assert nvme["memory_bytes"][rank][cat] < plain["memory_bytes"][rank][cat] + 2**20
+        # tiny's parameter partitions are all under 1 MiB (the aio block): DeepSpeed keeps them in memory
+        assert "disk" not in places(nvme, "params", rank)
+    cfg = json.loads((nvme["out"] / "config.json").read_text())
+    paths = {cfg["deepspeed"]["json"]["zero_optimization"][k]["nvme_path"]
+             for k in ("offload_param", "offload_optimizer")}
+    assert paths == {str((nvme["out"] / "nvme_swap").resolve())}  # relative path: inside the run
+
+
+def test_swap_file_names_map_to_categories(tmp_path):
+    rank = tmp_path / "zero_stage_3"
+    names = {"bfloat16params/rank0/12_param.tensor.swp": "params",
+             "optimizer/rank0/0_11.tensor.swp": "master_params",
+             "optimizer/rank0/exp_avg-0_11.tensor.swp": "optimizer_states",
+             "optimizer/rank0/exp_avg_sq-0_11.tensor.swp": "optimizer_states",
+             "optimizer/rank0/0_11_gradient_0_4096.tensor.swp": "grads",
+             "optimizer/rank1/0_11.tensor.swp": None}  # another rank's
+    for name, size in zip(names, range(1, 7), strict=True):
+        (rank / name).parent.mkdir(parents=True, exist_ok=True)
+        (rank / name).write_bytes(b"x" * size)
+    ds_json = {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    assert offload.swap_file_bytes(ds_json, 0) == {"params": 1, "grads": 5, "optimizer_states": 3 + 4,
+                                                   "master_params": 2}
+
+
+def test_nvme_without_a_path_is_refused_before_launch(tmp_path):
+    js = json.loads((REPO / "launch_configs/deepspeed/zero3_nvme.json").read_text())
+    del js["zero_optimization"]["offload_param"]["nvme_path"]
+    (tmp_path / "nvme.json").write_text(json.dumps(js))
+    (tmp_path / "nvme.yaml").write_text(
+        f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {tmp_path / 'nvme.json'}\n")
+    proc = run_job(str(tmp_path / "nvme.yaml"), tmp_path / "out", 0, "--steps", "1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error:")
+    assert "offload_param.device = nvme needs an nvme_path" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_offload_configs_parse():
+    for name, cfg in CONFIGS.items():
+        job = load_job_config(str(REPO / cfg), world_size=2)
+        if job.backend == "fsdp":
+            assert job.fsdp.offload_params == name.endswith("offload")
+        else:
+            ds = job.deepspeed
+            want = {"zero3": ("none", "none"), "zero3_offload_optimizer": ("cpu", "none"),
+                    "zero3_offload": ("cpu", "cpu"), "zero3_nvme": ("nvme", "nvme")}[name]
+            assert (ds.offload_optimizer_device, ds.offload_param_device) == want

@@ -95,7 +95,7 @@ SUMMARY_KEYS = {
               "grad_before_reduce, reduce_dtype, stored_grad, optimizer_grad, optimizer_states "
               "(helpers.precision.DtypeProbe)",
     "profiled_steps": "steps recorded by --profile in DIR/trace_rank{r}.json (helpers.profiling); "
-                      "absent without --profile",
+                      "null without --profile",
     "device": '"cpu" or the GPU name',
     "dist_backend": '"gloo" or "nccl"',
     "versions": "torch, deepspeed, transformers versions",

@@ -312,8 +312,7 @@ def main(argv=None) -> int:
         bar.close()
         summary["peak_memory_bytes"] = gather(peak.peak)
         summary["dtypes"] = dtypes.result()
-        if args.profile:
-            summary["profiled_steps"] = profiler.finish()
+        summary["profiled_steps"] = profiler.finish()  # None without --profile
         summary.update(status="completed", steps=len(records), **summarize_steps(records, tokens_per_rank_step))
         summary.update(summary_keys(flops, summary["tokens_per_s_per_rank"], peak_flops, peak_source))
     except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1

@@ -80,6 +80,9 @@ def resolved_ds_config(job: JobConfig, world_size: int, hidden_size: int | None 
     if left:
         raise ValueError(f"{', '.join(left)} = \"auto\": this guide has nothing to fill it from; write a value")
     js.setdefault("zero_allow_untested_optimizer", True)  # a torch optimizer, as Accelerate passes
+    offloaded = js.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if "optimizer" not in js and offloaded in ("cpu", "nvme"):
+        js.setdefault("zero_force_ds_cpu_optimizer", False)  # that torch AdamW steps on the host; no cpu_adam build
     js.setdefault("steps_per_print", 10**12)
     js.setdefault("wall_clock_breakdown", False)
     return js, filled

@@ -294,7 +294,7 @@ def main(argv=None) -> int:
             dist.all_reduce(loss)
             rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": lr,
                    "step_time_s": timer.seconds,
-                   "tokens_per_s": t.grad_accum * t.micro_batch * t.seq_len / timer.seconds, **updates.after(),
+                   "tokens_per_s": tokens_per_rank_step / timer.seconds, **updates.after(),
                    "elapsed_s": time.perf_counter() - T0}
             records.append(rec)
             run.step(rec)

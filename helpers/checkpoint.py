@@ -312,44 +312,76 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
     return int(meta["step"])
 
 
-def _init_adam_state(optim: torch.optim.Optimizer) -> None:
-    """Create torch Adam(W)'s lazy state (zeros, step 0) so it can be overwritten in place."""
-    for group in optim.param_groups:
-        for prm in group["params"]:
-            if not optim.state.get(prm):
-                optim.state[prm] = {"step": torch.tensor(0.0),
-                                    "exp_avg": torch.zeros_like(prm, memory_format=torch.preserve_format),
-                                    "exp_avg_sq": torch.zeros_like(prm, memory_format=torch.preserve_format)}
-
-
 def _import_deepspeed(engine, state: dict) -> None:
-    """Consolidated fp32 state -> a live ZeRO engine (weights were loaded before initialize)."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    """Consolidated fp32 state -> a live DeepSpeed engine, any ZeRO stage (weights were loaded before
+    initialize). Each value is written into the engine's own fp32 master and Adam state, then read back:
+    a stage whose tensors we cannot reach is an error, never a silent restart of Adam."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     model_sd, optim_sd = state["model"], state["optim"]
-    zopt = engine.engine.optimizer
-    inner = zopt.optimizer  # the torch AdamW over DeepSpeed's flat fp32 partitions
-    # ZeRO-3 keeps the flat partitions out of param_groups between steps and creates Adam's state lazily
-    # at the first step; ZeRO 1-2 create it at initialize. Create what is missing, then overwrite it.
-    for flat in getattr(zopt, "fp32_partitioned_groups_flat", []):
-        if not inner.state.get(flat):
-            inner.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
-                                 "exp_avg_sq": torch.zeros_like(flat)}
     steps = {float(s["step"]) for s in optim_sd["state"].values()}
     if len(steps) != 1:
         raise CheckpointError(f"optimizer state has several step counts {sorted(steps)}; cannot import")
     step = steps.pop()
+    zopt = engine.engine.optimizer
+    stage = engine.engine.zero_optimization_stage()
+    inner = zopt.optimizer if hasattr(zopt, "optimizer") else zopt  # the torch AdamW over fp32 masters
+    named = list(engine.module.named_parameters())
+    if stage == 0:
+        _import_stage0(zopt, inner, named, model_sd, optim_sd)
+    else:
+        _import_zero(zopt, inner, stage, named, model_sd, optim_sd)
     for s in inner.state.values():
         s["step"].fill_(step)
-    for name, prm in engine.module.named_parameters():
-        safe_set_full_fp32_param(prm, model_sd[name].float())
-        for key in ("exp_avg", "exp_avg_sq"):
-            safe_set_full_optimizer_state(prm, optim_sd["state"][name][key].float(), key)
     groups = optim_sd["param_groups"]
     for g_live in inner.param_groups:  # lr, betas, eps, weight_decay as saved
         for k in ("lr", "betas", "eps", "weight_decay"):
             if k in groups[0]:
                 g_live[k] = groups[0][k]
+    name, prm = named[-1]  # read one back through DeepSpeed's own accessors
+    if stage and not (torch.equal(safe_get_full_fp32_param(prm), model_sd[name].float())
+                      and torch.equal(safe_get_full_optimizer_state(prm, "exp_avg"),
+                                      optim_sd["state"][name]["exp_avg"].float())):
+        raise CheckpointError(f"importing into ZeRO-{stage}: {name} did not take the checkpoint's values")
+
+
+def _import_zero(zopt, inner, stage: int, named, model_sd: dict, optim_sd: dict) -> None:
+    """ZeRO 1-3: DeepSpeed maps each parameter to its fragment of the flat fp32 partitions."""
+    from deepspeed.utils import (
+        lazy_init_hp_params_optimizer_state,
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+    )
+
+    # Torch Adam creates its state at the first step, so a fresh engine has none: create it (zeros), then
+    # overwrite it. ZeRO 1-2 also link each parameter to its slice of that state only after the first step.
+    flats = zopt.fp32_partitioned_groups_flat if stage == 3 else zopt.single_partition_of_fp32_groups
+    for flat in flats:
+        if not inner.state.get(flat):
+            inner.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                                 "exp_avg_sq": torch.zeros_like(flat)}
+    if stage < 3:
+        for lp_group, flat in zip(zopt.bit16_groups, flats, strict=True):
+            lazy_init_hp_params_optimizer_state(lp_group, flat, inner.state)
+    for name, prm in named:
+        safe_set_full_fp32_param(prm, model_sd[name].float())
+        for key in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(prm, optim_sd["state"][name][key].float(), key)
+
+
+def _import_stage0(zopt, inner, named, model_sd: dict, optim_sd: dict) -> None:
+    """ZeRO-0: no partitions. In bf16/fp16 DeepSpeed's wrapper keeps one fp32 master per parameter
+    (``fp32_groups``), in fp32 the module's parameters are the masters; Adam's state is keyed by them."""
+    masters = [m for g in zopt.fp32_groups for m in g] if hasattr(zopt, "fp32_groups") else [p for _, p in named]
+    if len(masters) != len(named):
+        raise CheckpointError(f"importing into ZeRO-0: {len(masters)} fp32 masters for {len(named)} parameters")
+    for (name, _), m in zip(named, masters, strict=True):
+        m.data.copy_(model_sd[name])
+        s = optim_sd["state"][name]
+        inner.state[m] = {"step": torch.tensor(0.0), "exp_avg": s["exp_avg"].float().clone(),
+                          "exp_avg_sq": s["exp_avg_sq"].float().clone()}
+        if not torch.equal(m.data, model_sd[name].float()):
+            raise CheckpointError(f"importing into ZeRO-0: {name} did not take the checkpoint's values")
 
 
 def check_args(args, job, world_size: int) -> dict | None:

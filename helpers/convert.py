@@ -5,7 +5,7 @@
     python -m helpers.convert ckpt/step_10 hf_model --to hf                  # config.json + model.safetensors
 
 One process, no GPU, no process group. Every source (see helpers.checkpoint:
-FSDP ``sharded`` DCP, FSDP ``full``, DeepSpeed ZeRO-3) is first read into one
+FSDP ``sharded`` DCP, FSDP ``full``, DeepSpeed ZeRO stage 0-3) is first read into one
 consolidated fp32 layout, parameter by parameter, by name::
 
     {"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}},
@@ -15,10 +15,10 @@ consolidated fp32 layout, parameter by parameter, by name::
   reshards it to any world size when it loads.
 - ``--to deepspeed`` writes it as ``full.pt`` (format ``full``). DeepSpeed's
   own files are cut to one world size (one flat partition per rank), so the
-  job that resumes it does the import at start-up, for any world size:
-  weights into the module before ``deepspeed.initialize``, then the fp32
-  master and Adam state with ``safe_set_full_fp32_param`` /
-  ``safe_set_full_optimizer_state``.
+  job that resumes it does the import at start-up, for any world size and
+  ZeRO stage: weights into the module before ``deepspeed.initialize``, then
+  the fp32 master and Adam state (``safe_set_full_fp32_param`` /
+  ``safe_set_full_optimizer_state``; see helpers.checkpoint._import_deepspeed).
 - ``--to hf`` writes ``config.json`` + ``model.safetensors`` (fp32 weights, no
   optimizer): loadable with ``from_pretrained`` or ``--model DIR``.
 
@@ -67,43 +67,89 @@ def read_consolidated(src: str | os.PathLike, meta: dict) -> dict:
 
 
 def read_deepspeed(folder: Path, meta: dict) -> dict:
-    """A ZeRO-3 checkpoint (one model_states and one optim_states file per rank) -> consolidated fp32.
+    """A DeepSpeed checkpoint (``engine.save_checkpoint``, ZeRO stage 0-3) -> consolidated fp32.
 
-    ZeRO-3 cuts every parameter into ``ceil(numel / world_size)``-element pieces (the last padded); rank
-    r's flat fp32 partition is its piece of each parameter, one after another, in ``param_shapes`` order.
-    Adam's exp_avg / exp_avg_sq are flat tensors of the same layout."""
+    Where each stage keeps the fp32 master weights and Adam's exp_avg / exp_avg_sq (always flat tensors of
+    the same layout as the master):
+
+    - stage 0: no partitions; ``mp_rank_00_model_states.pt`` holds the optimizer, one tensor per parameter.
+    - stage 1-2: one ``*optim_states.pt`` per rank; per parameter group, the parameters are laid end to end
+      in one flat vector, padded at the end, and cut into ``world_size`` equal pieces, one per rank.
+    - stage 3: one ``*optim_states.pt`` per rank; every parameter is cut into ``ceil(numel / world_size)``
+      pieces (the last padded), and rank r's flat partition is its piece of each parameter in turn.
+    """
     import torch
 
     from .checkpoint import CheckpointError
 
-    ws = meta["world_size"]
+    ws, where = meta["world_size"], folder.parent.parent
+    model_file = next((f for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                   folder / "mp_rank_00_model_states.pt") if f.is_file()), None)
+    if model_file is None:
+        raise CheckpointError(f"checkpoint {where}: partial checkpoint (no model states file in {folder})")
+    ms = torch.load(model_file, map_location="cpu", weights_only=False)
+    stage = int((ms.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
+    if stage == 0:
+        return _read_stage0(ms, meta, where)
     optim_files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"),
                          key=lambda f: int(f.name.split("zero_pp_rank_")[1].split("_")[0]))
-    model_file = folder / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    if len(optim_files) != ws or not model_file.is_file():
-        found = "found" if model_file.is_file() else "missing"
-        raise CheckpointError(f"checkpoint {folder.parent.parent}: partial checkpoint ({len(optim_files)} of "
-                              f"{ws} optimizer partitions, model states {found})")
-    shapes = {}
-    for group in torch.load(model_file, map_location="cpu", weights_only=False)["param_shapes"]:
-        shapes.update(group)
-    flats, avgs, sqs, steps, groups = [], [], [], set(), None
-    for f in optim_files:
-        osd = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-        if osd.get("zero_stage") != 3:
-            raise CheckpointError(f"checkpoint {folder.parent.parent}: DeepSpeed ZeRO stage {osd.get('zero_stage')}; "
-                                  "helpers.convert reads ZeRO-3 checkpoints")
-        inner = osd["optimizer_state_dict"]
-        n = len(osd["fp32_flat_groups"])
-        flats.append(torch.cat([t.float() for t in osd["fp32_flat_groups"]]))
-        avgs.append(torch.cat([inner["state"][i]["exp_avg"] for i in range(n)]))
-        sqs.append(torch.cat([inner["state"][i]["exp_avg_sq"] for i in range(n)]))
-        steps |= {float(inner["state"][i]["step"]) for i in range(n)}
-        groups = inner["param_groups"]
+    if len(optim_files) != ws:
+        raise CheckpointError(f"checkpoint {where}: partial checkpoint ({len(optim_files)} of {ws} optimizer "
+                              "partitions)")
+    groups_shapes = ms["param_shapes"]  # one {name: shape} per parameter group, in flat-buffer order
+    ranks = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in optim_files]
+    if any(int(r.get("zero_stage", -1)) != stage for r in ranks):
+        raise CheckpointError(f"checkpoint {where}: optimizer partitions disagree with the model states on the "
+                              f"ZeRO stage ({stage})")
+    if stage == 3:
+        flat_key, inner_key = "fp32_flat_groups", "optimizer_state_dict"
+    else:
+        flat_key, inner_key = "single_partition_of_fp32_groups", "base_optimizer_state"
+    model, state, steps, hyper = {}, {}, set(), None
+    for g, shapes in enumerate(groups_shapes):
+        inner = [r[inner_key] for r in ranks]
+        flats = [r[flat_key][g].float() for r in ranks]
+        avgs = [i["state"][g]["exp_avg"] for i in inner]
+        sqs = [i["state"][g]["exp_avg_sq"] for i in inner]
+        steps |= {float(i["state"][g]["step"]) for i in inner}
+        hyper = hyper or {k: v for k, v in inner[0]["param_groups"][g].items() if k != "params"}
+        if stage == 3:
+            used = _split_stage3(shapes, ws, flats, avgs, sqs, model, state)
+            have = flats[0].numel()
+        else:
+            used = _split_flat(shapes, torch.cat(flats), torch.cat(avgs), torch.cat(sqs), model, state)
+            have = sum(f.numel() for f in flats) - sum(r["group_paddings"][g] for r in ranks)
+        if used != have:
+            raise CheckpointError(f"checkpoint {where}: model mismatch: parameter group {g} needs {used} "
+                                  f"elements, the ZeRO-{stage} partitions hold {have}")
     if len(steps) != 1:
-        raise CheckpointError(f"checkpoint {folder.parent.parent}: partitions disagree on the step {sorted(steps)}")
+        raise CheckpointError(f"checkpoint {where}: partitions disagree on the step {sorted(steps)}")
     step = torch.tensor(steps.pop())
-    model, state, offset = {}, {}, 0
+    for s in state.values():
+        s["step"] = step.clone()
+    return {"model": model, "optim": {"state": state, "param_groups": [{**hyper, "params": list(model)}]}}
+
+
+def _split_flat(shapes: dict, flat, avg, sq, model: dict, state: dict) -> int:
+    """ZeRO-1/2: the parameters of a group end to end in ``flat``; returns how many elements they use."""
+
+    offset = 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+
+        def cut(t, _o=offset, _n=n, _s=tuple(shape)):
+            return t[_o:_o + _n].reshape(_s).clone()
+
+        model[name], state[name] = cut(flat), {"exp_avg": cut(avg), "exp_avg_sq": cut(sq)}
+        offset += n
+    return offset
+
+
+def _split_stage3(shapes: dict, ws: int, flats, avgs, sqs, model: dict, state: dict) -> int:
+    """ZeRO-3: each rank holds a ``ceil(numel / ws)`` piece of every parameter; returns elements per rank."""
+    import torch
+
+    offset = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
         part = math.ceil(numel / ws)
@@ -111,14 +157,38 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
         def whole(parts, _o=offset, _p=part, _n=numel, _s=tuple(shape)):
             return torch.cat([t[_o:_o + _p] for t in parts])[:_n].reshape(_s).clone()
 
-        model[name] = whole(flats)
-        state[name] = {"step": step.clone(), "exp_avg": whole(avgs), "exp_avg_sq": whole(sqs)}
+        model[name], state[name] = whole(flats), {"exp_avg": whole(avgs), "exp_avg_sq": whole(sqs)}
         offset += part
-    if offset != flats[0].numel():
-        raise CheckpointError(f"checkpoint {folder.parent.parent}: model mismatch: parameters need {offset} "
-                              f"elements per rank, the partitions hold {flats[0].numel()}")
-    hyper = {k: v for k, v in groups[0].items() if k != "params"}
-    return {"model": model, "optim": {"state": state, "param_groups": [{**hyper, "params": list(model)}]}}
+    return offset
+
+
+def _read_stage0(ms: dict, meta: dict, where) -> dict:
+    """ZeRO-0: the optimizer is in the model states file. In bf16/fp16 DeepSpeed's wrapper keeps one fp32
+    master tensor per parameter (``fp32_groups``); in fp32 it is the torch optimizer's own state dict and
+    the module holds the master weights. Either way Adam's state is keyed by parameter index."""
+    import torch
+
+    from .checkpoint import CheckpointError
+
+    opt = ms.get("optimizer")
+    if not opt:
+        raise CheckpointError(f"checkpoint {where}: partial checkpoint (ZeRO-0 model states without optimizer)")
+    inner = opt.get("optimizer_state_dict", opt)
+    names = list(meta["param_shapes"])  # the order of model.parameters(), which the optimizer was given
+    index = [i for g in inner["param_groups"] for i in g["params"]]
+    if len(index) != len(names):
+        raise CheckpointError(f"checkpoint {where}: model mismatch: the optimizer has {len(index)} parameters, "
+                              f"meta.json names {len(names)}")
+    masters = [t for g in opt["fp32_groups"] for t in g] if "fp32_groups" in opt else \
+        [ms["module"][n] for n in names]
+    model, state = {}, {}
+    for name, i, w in zip(names, index, masters, strict=True):
+        s = inner["state"][i]
+        model[name] = w.float().clone()
+        state[name] = {"step": torch.as_tensor(s["step"]).float().clone(), "exp_avg": s["exp_avg"].clone(),
+                       "exp_avg_sq": s["exp_avg_sq"].clone()}
+    hyper = {k: v for k, v in inner["param_groups"][0].items() if k != "params"}
+    return {"model": model, "optim": {"state": state, "param_groups": [{**hyper, "params": names}]}}
 
 
 def check_state(state: dict, meta: dict, where: str) -> None:

@@ -80,16 +80,18 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # %% [markdown]
 # ## The relay: FSDP → DeepSpeed → FSDP
 #
-# `python -m helpers.convert SRC DST --to deepspeed|fsdp|hf` reads any of the formats into
-# one consolidated fp32 layout — per parameter name: the fp32 weight, Adam's `exp_avg`,
-# `exp_avg_sq` and step — and writes it for the other side:
+# `python -m helpers.convert SRC DST --to deepspeed|fsdp|hf` reads any of the formats (FSDP
+# sharded or full, DeepSpeed ZeRO stage 0 to 3, any world size) into one consolidated fp32
+# layout — per parameter name: the fp32 weight, Adam's `exp_avg`, `exp_avg_sq` and step —
+# and writes it for the other side:
 #
 # * `--to fsdp` writes a DCP checkpoint; FSDP reshards it at load time, any world size.
 # * `--to deepspeed` writes the consolidated file. DeepSpeed's own files are cut for one
 #   world size, so the import happens in the job that resumes: weights into the module
 #   *before* `deepspeed.initialize`, then `safe_set_full_fp32_param` for the fp32 master
-#   and `safe_set_full_optimizer_state` for Adam (whose state ZeRO-3 creates lazily, at
-#   the first step, so the job creates it first). Any world size works.
+#   and `safe_set_full_optimizer_state` for Adam. Torch Adam creates its state lazily, at
+#   the first step (and ZeRO-1/2 link each parameter to its slice of it only then), so the
+#   job creates and links it first. Any world size, any ZeRO stage.
 # * `--to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`.
 
 # %% language="bash"

@@ -1,8 +1,11 @@
 """Checkpoints: exact resume on each backend, FSDP <-> DeepSpeed through helpers.convert, a killed save.
 
-Six tiny 2-rank jobs of 6 steps, shared: DeepSpeed saves at step 3 and is the reference (FSDP and
-ZeRO-3 train bit-identically, see test_train); FSDP saves at 3 and is killed inside the save of step 6.
-Then four resumes from step 3: each backend from its own checkpoint, each from the other's, converted.
+Tiny 2-rank jobs of 6 steps, shared: ZeRO-3 saves at step 3 and is the reference (FSDP and ZeRO 1-3
+train bit-identically, see test_train); FSDP saves at 3 and is killed inside the save of step 6.
+Then five resumes from step 3: each backend from its own checkpoint, each from the other's, converted,
+and the converted FSDP checkpoint under ZeRO-2, which saves again at step 6 (the ZeRO-1/2 layout).
+ZeRO-0 trains differently in bf16 (no fp32 gradient reduction), so it gets its own pair: 4 steps saving
+at 2, and a resume from the converted step 2.
 """
 
 import json
@@ -17,6 +20,7 @@ from helpers.checkpoint import read_meta
 from helpers.convert import convert, read_consolidated
 
 TINY = ("--model", "tiny", "--steps", "6")
+ZERO2, ZERO0 = "launch_configs/deepspeed/zero2.yaml", "launch_configs/deepspeed/zero0.yaml"
 
 
 def losses(out):
@@ -40,6 +44,12 @@ def ckpt(tmp_path_factory):
     for name, cfg, src in (("fsdp_resume", FSDP, "fsdp_ck/step_3"), ("ds_resume", ZERO3, "ds_ck/step_3"),
                            ("fsdp_to_ds", ZERO3, "to_ds"), ("ds_to_fsdp", FSDP, "to_fsdp")):
         ok(run_job(cfg, base / name, 2, *TINY, "--resume", str(base / src)), name)
+    ok(run_job(ZERO2, base / "fsdp_to_z2", 2, *TINY, "--resume", str(base / "to_ds"), "--checkpoint-dir",
+               str(base / "z2_ck"), "--checkpoint-every", "3"), "fsdp_to_z2")
+    z0 = ("--model", "tiny", "--steps", "4")
+    ok(run_job(ZERO0, base / "z0", 2, *z0, "--checkpoint-dir", str(base / "z0_ck"), "--checkpoint-every", "2"), "z0")
+    convert(str(base / "z0_ck" / "step_2"), str(base / "z0_to_ds"), "deepspeed")
+    ok(run_job(ZERO0, base / "z0_resume", 2, *z0, "--resume", str(base / "z0_to_ds")), "z0_resume")
     return base, killed
 
 
@@ -66,6 +76,20 @@ def test_cross_backend_resume_is_exact(ckpt, name, frm):
     s = summary(base / name)
     assert s["resumed_from"]["backend"] == frm and s["backend"] != frm
     assert s["losses"] == summary(base / "ds")["losses"][3:]
+
+
+def test_zero2_and_zero0_convert_and_resume_exactly(ckpt):
+    """ZeRO-2 imports converted state and continues exactly; its own layout reads back like ZeRO-3's."""
+    base, _ = ckpt
+    assert summary(base / "fsdp_to_z2")["losses"] == summary(base / "ds")["losses"][3:]
+    z2 = read_consolidated(base / "z2_ck" / "step_6", read_meta(base / "z2_ck" / "step_6"))
+    z3 = read_consolidated(base / "ds_ck" / "step_6", read_meta(base / "ds_ck" / "step_6"))
+    for k in z3["model"]:
+        assert torch.equal(z2["model"][k], z3["model"][k]), k
+        for s in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(z2["optim"]["state"][k][s], z3["optim"]["state"][k][s]), (k, s)
+    # ZeRO-0 (bf16): DeepSpeed's one-master-per-parameter wrapper, out and back in
+    assert summary(base / "z0_resume")["losses"] == summary(base / "z0")["losses"][2:]
 
 
 def test_killed_save_leaves_last_checkpoint(ckpt):

@@ -214,6 +214,9 @@ def convert(src: str, dst: str, to: str) -> dict:
     d = Path(dst)
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise CheckpointError(f"DST {dst}: already exists and is not empty; pick a new path (nothing is overwritten)")
+    import torch.distributed.checkpoint.format_utils  # noqa: F401 - imports (seconds) are not the conversion
+    if meta["format"] == "deepspeed":
+        import deepspeed  # noqa: F401 - its pickled classes are in DeepSpeed's files
     t0 = time.perf_counter()
     state = read_consolidated(src, meta)
     tmp = d.with_name(f".{d.name}.tmp")

@@ -378,8 +378,8 @@ def _import_stage0(zopt, inner, named, model_sd: dict, optim_sd: dict) -> None:
     for (name, _), m in zip(named, masters, strict=True):
         m.data.copy_(model_sd[name])
         s = optim_sd["state"][name]
-        inner.state[m] = {"step": torch.tensor(0.0), "exp_avg": s["exp_avg"].float().clone(),
-                          "exp_avg_sq": s["exp_avg_sq"].float().clone()}
+        inner.state[m] = {"step": torch.tensor(0.0), "exp_avg": s["exp_avg"].to(m.device, torch.float32).clone(),
+                          "exp_avg_sq": s["exp_avg_sq"].to(m.device, torch.float32).clone()}
         if not torch.equal(m.data, model_sd[name].float()):
             raise CheckpointError(f"importing into ZeRO-0: {name} did not take the checkpoint's values")
 

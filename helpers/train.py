@@ -201,6 +201,10 @@ def main(argv=None) -> int:
         dist.init_process_group(dist_backend, device_id=device if use_cuda else None, timeout=timeout, **store)
         guard.connect()
         if job.backend == "deepspeed":
+            if not use_cuda:  # a build lock left by an interrupted build would make every rank wait for ever
+                from .warmup import clear_stale_locks
+
+                job.notes += clear_stale_locks()  # logged with the other notes below
             import deepspeed
 
             _quiet_deepspeed(rank)

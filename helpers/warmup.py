@@ -15,6 +15,10 @@ Nothing else is built: the CPU offload configs step a torch AdamW on the host
 The builds are cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
 a second call takes a few seconds. ``make setup`` runs this. On a GPU node DeepSpeed builds
 its CUDA ops itself, when first used.
+
+A build that was interrupted leaves a ``lock`` file that would make every later job wait on it
+for ever: this step, and every DeepSpeed CPU job, removes such a lock first
+(``clear_stale_locks``) and says so.
 """
 
 from __future__ import annotations
@@ -22,6 +26,51 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
+
+OPS = ("deepspeed_shm_comm", "async_io")  # the CPU ops DeepSpeed builds here (names of their build dirs)
+
+
+def clear_stale_locks(names=OPS, min_age_s: float = 60.0) -> list[str]:
+    """Remove the build locks that an interrupted op build left behind; returns a note per lock removed.
+
+    torch builds an op under a ``lock`` file in its build directory and removes it when done. A build that
+    is interrupted (a notebook cell stopped during the first NVMe job, a killed job) leaves the file, and
+    every later job that needs the op waits on it for ever. A lock is stale when no process works in that
+    directory (ninja and the compilers run there) and it is older than ``min_age_s`` (the time between
+    taking the lock and starting ninja)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    notes = []
+    for name in names:
+        d = Path(_get_build_directory(name, verbose=False))
+        lock = d / "lock"
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if age < min_age_s or _someone_works_in(d):
+            continue
+        lock.unlink(missing_ok=True)
+        notes.append(f"removed {lock}: left by an interrupted build of DeepSpeed's {name} op "
+                     f"({age / 60:.0f} min old, no build running); DeepSpeed checks or rebuilds the op now")
+    return notes
+
+
+def _someone_works_in(d: Path) -> bool:
+    """Is any process's working directory ``d``? (Linux /proc; elsewhere assume yes: never remove.)"""
+    proc = Path("/proc")
+    if not (proc / "self" / "cwd").exists():
+        return True
+    target = os.path.realpath(d)
+    for p in proc.iterdir():
+        if p.name.isdigit():
+            try:
+                if os.readlink(p / "cwd") == target:
+                    return True
+            except OSError:  # gone, or not ours to read
+                continue
+    return False
 
 
 def main() -> int:
@@ -31,6 +80,8 @@ def main() -> int:
         print("warmup: a GPU is visible; DeepSpeed builds its CUDA ops when first used")
         return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for note in clear_stale_locks():
+        print(f"warmup: {note}")
     t0 = time.perf_counter()
     print("warmup: building DeepSpeed's shared-memory comm op for CPU (cached after the first time)...",
           flush=True)

@@ -1,0 +1,40 @@
+"""A build lock left by an interrupted DeepSpeed op build is removed; a live build's lock is not."""
+
+import os
+import subprocess
+import time
+
+from helpers.warmup import clear_stale_locks
+
+
+def _lock(root, name, age_s):
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    lock = d / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return d, lock
+
+
+def test_stale_lock_is_removed_and_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    _, lock = _lock(tmp_path, "async_io", age_s=3600)
+    notes = clear_stale_locks()
+    assert not lock.exists()
+    assert len(notes) == 1 and "interrupted build of DeepSpeed's async_io op" in notes[0] and "60 min" in notes[0]
+    assert clear_stale_locks() == []  # nothing left to say
+
+
+def test_fresh_or_busy_lock_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    _, fresh = _lock(tmp_path, "deepspeed_shm_comm", age_s=5)  # a build that has just taken the lock
+    busy_dir, busy = _lock(tmp_path, "async_io", age_s=3600)
+    worker = subprocess.Popen(["sleep", "60"], cwd=busy_dir)  # stands for ninja, which runs in the build dir
+    try:
+        time.sleep(0.2)
+        assert clear_stale_locks() == []
+        assert fresh.exists() and busy.exists()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert len(clear_stale_locks()) == 1 and not busy.exists() and fresh.exists()

@@ -373,15 +373,15 @@ def _import_stage0(zopt, inner, named, model_sd: dict, optim_sd: dict) -> None:
     """ZeRO-0: no partitions. In bf16/fp16 DeepSpeed's wrapper keeps one fp32 master per parameter
     (``fp32_groups``), in fp32 the module's parameters are the masters; Adam's state is keyed by them."""
     masters = [m for g in zopt.fp32_groups for m in g] if hasattr(zopt, "fp32_groups") else [p for _, p in named]
-    if len(masters) != len(named):
-        raise CheckpointError(f"importing into ZeRO-0: {len(masters)} fp32 masters for {len(named)} parameters")
+    stepped = {id(p) for g in inner.param_groups for p in g["params"]}  # what the optimizer really updates
+    if len(masters) != len(named) or any(id(m) not in stepped for m in masters):
+        raise CheckpointError(f"importing into ZeRO-0: the {len(masters)} fp32 masters found for {len(named)} "
+                              "parameters are not the tensors the optimizer steps")
     for (name, _), m in zip(named, masters, strict=True):
         m.data.copy_(model_sd[name])
         s = optim_sd["state"][name]
         inner.state[m] = {"step": torch.tensor(0.0), "exp_avg": s["exp_avg"].to(m.device, torch.float32).clone(),
                           "exp_avg_sq": s["exp_avg_sq"].to(m.device, torch.float32).clone()}
-        if not torch.equal(m.data, model_sd[name].float()):
-            raise CheckpointError(f"importing into ZeRO-0: {name} did not take the checkpoint's values")
 
 
 def check_args(args, job, world_size: int) -> dict | None:

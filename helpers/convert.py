@@ -214,7 +214,8 @@ def convert(src: str, dst: str, to: str) -> dict:
     d = Path(dst)
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise CheckpointError(f"DST {dst}: already exists and is not empty; pick a new path (nothing is overwritten)")
-    import torch.distributed.checkpoint.format_utils  # noqa: F401 - imports (seconds) are not the conversion
+    if meta["format"] == "sharded" or to == "fsdp":  # imports (seconds) are not the conversion
+        import torch.distributed.checkpoint.format_utils  # noqa: F401
     if meta["format"] == "deepspeed":
         import deepspeed  # noqa: F401 - its pickled classes are in DeepSpeed's files
     t0 = time.perf_counter()

@@ -27,8 +27,10 @@ three formats (``meta["format"]``):
     resume), plus ``model_16bit.bin`` (``save_16bit_model``, a torch pickle
     of bf16 weights) when ``zero3_save_16bit_model`` is set.
 
-Every rank also writes ``rng/rank{r}.pt``. Saves are atomic: everything is
-written under ``D/.step_K.tmp``, ``meta.json`` last, then renamed to
+Every rank also writes ``rng/rank{r}.pt``. Every file is read back without running code from it
+(``helpers.safeload``: ``weights_only`` loads, DeepSpeed's classes allow-listed, DCP metadata
+read by a restricted unpickler); ``--resume`` scans all of them before any process starts.
+Saves are atomic: everything is written under ``D/.step_K.tmp``, ``meta.json`` last, then renamed to
 ``D/step_K``. A job killed mid-save leaves a ``.tmp`` directory (ignored, and
 removed by the next save) and the previous checkpoint untouched.
 """
@@ -43,6 +45,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from . import safeload
 
 META = "meta.json"
 FORMATS = ("sharded", "full", "deepspeed")
@@ -116,6 +120,7 @@ def check_model(meta: dict, shapes: dict[str, list[int]], where: str) -> None:
 def check_resume(path: str, job, world_size: int) -> dict:
     """Before any process group: can this job resume from ``path``? Returns meta or raises."""
     meta = read_meta(path)
+    safeload.scan(path, meta["format"])  # a file that would run code is refused here, before any rank starts
     if meta["format"] == "sharded" and job.backend != "fsdp":
         raise CheckpointError(f"--resume {path}: an FSDP sharded (DCP) checkpoint; DeepSpeed cannot read it. "
                               f"Convert it: python -m helpers.convert {path} NEW_DIR --to deepspeed")
@@ -258,7 +263,7 @@ def set_rng_state(s: dict) -> None:
 
 
 def load_full(path: str | os.PathLike) -> dict:
-    return torch.load(Path(path) / "full.pt", map_location="cpu", weights_only=False, mmap=True)
+    return safeload.load(Path(path) / "full.pt", "full", mmap=True)
 
 
 def before_backend(model: torch.nn.Module, meta: dict, path: str) -> dict | None:
@@ -279,6 +284,8 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
     check_model(meta, param_shapes(engine.module), str(p))
     fmt = meta["format"]
     if engine.backend == "deepspeed" and fmt == "deepspeed":
+        # DeepSpeed's own reader unpickles with weights_only=False; read its files through ours instead
+        engine.engine.checkpoint_engine.load = lambda f, map_location=None: safeload.load(f, "deepspeed")
         load_path, _ = engine.engine.load_checkpoint(str(p / "ds"), tag="ds", load_module_strict=True,
                                                      load_optimizer_states=True, load_lr_scheduler_states=False)
         if load_path is None:
@@ -296,7 +303,8 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
 
         model, optim = engine.model, engine.optimizer
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-        dcp.load(sd, checkpoint_id=str(p / "dcp"))
+        reader, planner = safeload.dcp_reader_and_planner(p / "dcp")
+        dcp.load(sd, storage_reader=reader, planner=planner)
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, optim, sd["optim"])
     else:  # full -> FSDP: rank 0 reads, everyone receives its shard
@@ -308,7 +316,7 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
         set_optimizer_state_dict(engine.model, engine.optimizer, state["optim"], options=opts)
     rng = p / "rng" / f"rank{rank}.pt"
     if rng.is_file() and meta["world_size"] == dist.get_world_size():
-        set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(safeload.load(rng, "rng"))
     return int(meta["step"])
 
 

@@ -35,28 +35,28 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from . import safeload
 
 TARGETS = ("fsdp", "deepspeed", "hf")
 
 
 def read_consolidated(src: str | os.PathLike, meta: dict) -> dict:
     """Any checkpoint format -> {"model": ..., "optim": ...}, fp32, full tensors, keyed by parameter name."""
-    import torch
 
     from .checkpoint import CheckpointError, load_full
 
     p = Path(src)
     if meta["format"] == "full":
         state = dict(load_full(p))
-    elif meta["format"] == "sharded":
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    elif meta["format"] == "sharded":  # what dcp_to_torch_save does, with metadata and items read safely
+        import torch.distributed.checkpoint as dcp
 
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(str(p / "dcp"), os.path.join(tmp, "state.pt"))
-            state = torch.load(os.path.join(tmp, "state.pt"), map_location="cpu", weights_only=False)
+        reader, planner = safeload.dcp_reader_and_planner(p / "dcp", empty=True)
+        dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+        state = planner.original_state_dict  # the planner built it from the checkpoint's metadata
     else:
         state = read_deepspeed(p / "ds" / "ds", meta)
     for key in ("model", "optim"):
@@ -87,7 +87,7 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
                                    folder / "mp_rank_00_model_states.pt") if f.is_file()), None)
     if model_file is None:
         raise CheckpointError(f"checkpoint {where}: partial checkpoint (no model states file in {folder})")
-    ms = torch.load(model_file, map_location="cpu", weights_only=False)
+    ms = safeload.load(model_file, "deepspeed")
     stage = int((ms.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
     if stage == 0:
         return _read_stage0(ms, meta, where)
@@ -97,7 +97,7 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
         raise CheckpointError(f"checkpoint {where}: partial checkpoint ({len(optim_files)} of {ws} optimizer "
                               "partitions)")
     groups_shapes = ms["param_shapes"]  # one {name: shape} per parameter group, in flat-buffer order
-    ranks = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"] for f in optim_files]
+    ranks = [safeload.load(f, "deepspeed")["optimizer_state_dict"] for f in optim_files]
     if any(int(r.get("zero_stage", -1)) != stage for r in ranks):
         raise CheckpointError(f"checkpoint {where}: optimizer partitions disagree with the model states on the "
                               f"ZeRO stage ({stage})")
@@ -211,6 +211,7 @@ def convert(src: str, dst: str, to: str) -> dict:
     if to not in TARGETS:
         raise CheckpointError(f"--to {to!r}: allowed values are {', '.join(TARGETS)}")
     meta = read_meta(src)
+    safeload.scan(src, meta["format"])  # refuse a file that would run code before reading anything
     d = Path(dst)
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise CheckpointError(f"DST {dst}: already exists and is not empty; pick a new path (nothing is overwritten)")
@@ -270,7 +271,7 @@ def main(argv=None) -> int:
 
     try:
         new = convert(args.src, args.dst, args.to)
-    except CheckpointError as e:
+    except (CheckpointError, safeload.UnreadableFile) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.dst} ({new['format']}, {new['bytes'] / 1e6:.1f} MB, {new['convert_seconds']:.2f} s) "

@@ -67,6 +67,7 @@ def resolve_model(spec: str) -> ModelSpec:
             raise ModelSpecError(f"--model {spec!r}: directory has no config.json")
         has_weights = any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
         if has_weights:
+            _scan_pickled_weights(spec, p)
             return ModelSpec(spec, "pretrained", str(p))
         return ModelSpec(spec, "config", str(p / "config.json"))
     if p.is_file() and p.suffix == ".json":
@@ -75,6 +76,18 @@ def resolve_model(spec: str) -> ModelSpec:
         f"--model {spec!r}: not a preset ({', '.join(PRESETS)}), "
         "not a config.json file and not a directory holding one"
     )
+
+
+def _scan_pickled_weights(spec: str, p: Path) -> None:
+    """A ``*.bin`` (torch pickle) that would run code is refused before any rank starts (transformers
+    reads it with weights_only=True too, but only inside the job, as a failure of rank 0)."""
+    from .safeload import UnreadableFile, scan_file
+
+    for f in sorted(p.glob("*.bin")):
+        try:
+            scan_file(f, "weights")
+        except UnreadableFile as e:
+            raise ModelSpecError(f"--model {spec!r}: {e}") from None
 
 
 def model_config(spec: ModelSpec):

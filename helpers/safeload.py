@@ -71,6 +71,7 @@ ALLOW = {  # kind -> extra classes, beyond what weights_only allows for any file
     "full": lambda: [],  # the guide's consolidated state: tensors and plain data only
     "rng": lambda: [],  # torch / CUDA generator states (uint8 tensors) and random.getstate() (a tuple)
     "deepspeed": _deepspeed_globals,  # model and optimizer states of every ZeRO stage, 16-bit weights
+    "weights": lambda: [],  # a pretrained --model DIR's pytorch_model*.bin: a state dict of tensors
 }
 
 

@@ -141,3 +141,18 @@ def test_untouched_checkpoints_read_safely(saved, kind, tmp_path):
     state = read_consolidated(saved[kind], meta)
     assert sorted(state["model"]) == sorted(meta["param_shapes"])
     assert all(set(s) >= {"step", "exp_avg", "exp_avg_sq"} for s in state["optim"]["state"].values())
+
+
+def test_poisoned_pretrained_bin_is_refused(tmp_path):
+    """--model DIR: a pickled pytorch_model.bin that would run code is refused before the job starts;
+    a clean one passes the same scan (transformers then reads it with weights_only=True)."""
+    from helpers.models import model_config, resolve_model
+
+    d, marker = tmp_path / "model", tmp_path / "MARKER"
+    model_config(resolve_model("tiny")).save_pretrained(d)
+    torch.save({"lm_head.weight": torch.zeros(2)}, d / "pytorch_model.bin")
+    assert resolve_model(str(d)).kind == "pretrained"
+    torch.save({"lm_head.weight": torch.zeros(2), "x": Poison(marker)}, d / "pytorch_model.bin")
+    proc = run_job(FSDP, tmp_path / "run", 0, "--model", str(d), "--steps", "1", timeout=300)
+    refuses(proc, marker, "pytorch_model.bin")
+    assert not (tmp_path / "run").exists()

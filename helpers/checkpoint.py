@@ -331,16 +331,19 @@ def _import_deepspeed(engine, state: dict) -> None:
         _import_stage0(zopt, inner, named, model_sd, optim_sd)
     else:
         _import_zero(zopt, inner, stage, named, model_sd, optim_sd)
-    for s in inner.state.values():
-        s["step"].fill_(step)
+    for s in inner.state.values():  # torch Adam: a tensor (on the host); DeepSpeed's FusedAdam: a number
+        if torch.is_tensor(s["step"]):
+            s["step"].fill_(step)
+        else:
+            s["step"] = int(step)
     groups = optim_sd["param_groups"]
     for g_live in inner.param_groups:  # lr, betas, eps, weight_decay as saved
         for k in ("lr", "betas", "eps", "weight_decay"):
             if k in groups[0]:
                 g_live[k] = groups[0][k]
-    name, prm = named[-1]  # read one back through DeepSpeed's own accessors
-    if stage and not (torch.equal(safe_get_full_fp32_param(prm), model_sd[name].float())
-                      and torch.equal(safe_get_full_optimizer_state(prm, "exp_avg"),
+    name, prm = named[-1]  # read one back through DeepSpeed's own accessors (on the GPU there; the file: CPU)
+    if stage and not (torch.equal(safe_get_full_fp32_param(prm).cpu(), model_sd[name].float())
+                      and torch.equal(safe_get_full_optimizer_state(prm, "exp_avg").cpu(),
                                       optim_sd["state"][name]["exp_avg"].float())):
         raise CheckpointError(f"importing into ZeRO-{stage}: {name} did not take the checkpoint's values")
 

@@ -185,6 +185,11 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
     dist.barrier()
+    if not tmp.is_dir():  # several nodes: rank 0 made it on its own filesystem
+        import socket
+
+        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: rank 0's {tmp.name} is not visible on rank {rank} "
+                              f"({socket.gethostname()}); put checkpoints on a filesystem every node shares")
     t0 = time.perf_counter()
     fmt, dtypes = _save_state(engine, job, tmp)
     seconds_16bit = dtypes.pop("seconds_16bit", None)  # DeepSpeed's consolidated 16-bit copy, part of seconds

@@ -145,3 +145,13 @@ def test_notebooks_take_rank_counts_from_the_machine(monkeypatch):
     monkeypatch.setattr(nb, "gpu_count", lambda: 2)
     assert nb.nproc() == 2 and nb.world_sizes([1, 2, 4]) == [1, 2]
     assert nb.bitwise_parity_expected(2) and not nb.bitwise_parity_expected(4)
+
+
+def test_checkpoint_dir_that_another_node_cannot_see_is_named(world1, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from helpers.checkpoint import CheckpointError, save
+
+    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: None)  # as if rank 0 made it on its own node
+    with pytest.raises(CheckpointError, match=r"\.step_2\.tmp is not visible on rank 0 .*every node shares"):
+        save(None, None, str(tmp_path / "ckpt"), 2, {})

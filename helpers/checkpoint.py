@@ -190,6 +190,11 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
             shutil.rmtree(final)
         tmp.mkdir(parents=True)
     dist.barrier()
+    if not tmp.is_dir():  # several nodes: rank 0 made it on its own filesystem
+        import socket
+
+        raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: rank 0's {tmp.name} is not visible on rank {rank} "
+                              f"({socket.gethostname()}); put checkpoints on a filesystem every node shares")
     t0 = time.perf_counter()
     fmt, dtypes = _save_state(engine, job, tmp)
     seconds_16bit = dtypes.pop("seconds_16bit", None)  # DeepSpeed's consolidated 16-bit copy, part of seconds
@@ -339,16 +344,19 @@ def _import_deepspeed(engine, state: dict) -> None:
         _import_stage0(zopt, inner, named, model_sd, optim_sd)
     else:
         _import_zero(zopt, inner, stage, named, model_sd, optim_sd)
-    for s in inner.state.values():
-        s["step"].fill_(step)
+    for s in inner.state.values():  # torch Adam: a tensor (on the host); DeepSpeed's FusedAdam: a number
+        if torch.is_tensor(s["step"]):
+            s["step"].fill_(step)
+        else:
+            s["step"] = int(step)
     groups = optim_sd["param_groups"]
     for g_live in inner.param_groups:  # lr, betas, eps, weight_decay as saved
         for k in ("lr", "betas", "eps", "weight_decay"):
             if k in groups[0]:
                 g_live[k] = groups[0][k]
-    name, prm = named[-1]  # read one back through DeepSpeed's own accessors
-    if stage and not (torch.equal(safe_get_full_fp32_param(prm), model_sd[name].float())
-                      and torch.equal(safe_get_full_optimizer_state(prm, "exp_avg"),
+    name, prm = named[-1]  # read one back through DeepSpeed's own accessors (on the GPU there; the file: CPU)
+    if stage and not (torch.equal(safe_get_full_fp32_param(prm).cpu(), model_sd[name].float())
+                      and torch.equal(safe_get_full_optimizer_state(prm, "exp_avg").cpu(),
                                       optim_sd["state"][name]["exp_avg"].float())):
         raise CheckpointError(f"importing into ZeRO-{stage}: {name} did not take the checkpoint's values")
 

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 METHODS = ("naive", "fsdp_ram_efficient", "zero3_init")
 
 
@@ -161,8 +163,7 @@ def checksum(engine) -> list[float]:
             t = p.data if dist.get_rank() == 0 else p.data[:0]  # replicated: count once
         t = t.detach().double().cpu()
         acc += torch.stack([t.sum(), (t * t).sum()])
-    dist.all_reduce(acc)
-    return acc.tolist()
+    return comm.all_reduce(acc).tolist()  # a CPU tensor: nccl serves only GPU tensors
 
 
 def file_checksum(path: str, dtype) -> list[float]:

@@ -99,11 +99,25 @@ def rss_anon_bytes() -> int:
 
 
 class PeakMemory:
-    """Peak memory over the job: max_memory_allocated on GPU, else RssAnon sampled at each phase."""
+    """Peak memory of training: max_memory_allocated on GPU, else RssAnon sampled at each phase.
+
+    Call ``end_setup()`` once the model is built, sharded and loaded: on a GPU the model goes to the
+    device whole and is upcast there before it is sharded, so without a reset the allocator's peak would be
+    that load, not training (and hide what offload saves). ``setup_peak`` keeps the set-up's peak.
+    """
 
     def __init__(self, device: torch.device):
-        self.device, self.peak = device, 0
+        self.device, self.peak, self.setup_peak = device, 0, None
         self.source = "cuda.max_memory_allocated" if device.type == "cuda" else "RssAnon (sampled per phase)"
+
+    def end_setup(self) -> None:
+        """The set-up's peak goes to ``setup_peak``; ``peak`` counts from here (what is alive now included)."""
+        if self.device.type == "cuda":
+            self.setup_peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:  # RssAnon cannot be reset; samples start at the first forward anyway
+            self.setup_peak = max(self.peak, rss_anon_bytes())
+        self.peak = 0
 
     def sample(self, *_args) -> None:
         if self.device.type == "cuda":

@@ -87,7 +87,9 @@ SUMMARY_KEYS = {
                              "memory the backend offloaded to, disk = this rank's NVMe swap files "
                              "(helpers.offload)",
     "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.mapping)",
-    "peak_memory_bytes": "per rank (list): peak memory over the job (see peak_memory_source)",
+    "peak_memory_bytes": "per rank (list): peak memory of training, after set-up (see peak_memory_source)",
+    "setup_peak_memory_bytes": "per rank (list): peak memory of the set-up (build, load, shard); on CPU the "
+                               "RssAnon when training starts",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",
     "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence",
     "dtypes": "dtype of one parameter (param) at each stage of a step, read from the live objects on "

@@ -35,7 +35,33 @@ def setup(default_size: str = "full") -> str:
     return size
 
 
+CPU_RANKS = 2  # gloo ranks on a machine without a GPU: one per core of the 2-core box the guide is written on
+
+
 def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def nproc(cpu_ranks: int = CPU_RANKS) -> int:
+    """Ranks for one job on this machine: one per GPU on a GPU node (nccl), else ``cpu_ranks`` gloo ranks."""
+    return gpu_count() or cpu_ranks
+
+
+def world_sizes(wanted: list[int]) -> list[int]:
+    """The rank counts of ``wanted`` this machine can run: all on a CPU (gloo ranks may share cores), those up
+    to the number of GPUs on a GPU node (nccl refuses two ranks on one GPU)."""
+    gpus = gpu_count()
+    return [n for n in wanted if not gpus or n <= gpus]
+
+
+def bitwise_parity_expected(world_size: int) -> bool:
+    """Whether aligned FSDP and ZeRO-3 should give bit-identical losses at ``world_size`` ranks here.
+
+    On the CPU (gloo) the notebooks measure it at 1, 2 and 4 ranks. Under nccl a sum of two values is the same
+    in any order, so up to 2 ranks the reduction order cannot matter; beyond, NCCL picks ring or tree by size
+    and the two backends reduce differently shaped buckets, so the last bit may differ (not yet run on a GPU):
+    the notebooks then check closeness instead.
+    """
+    return gpu_count() == 0 or world_size <= 2

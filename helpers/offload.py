@@ -14,7 +14,11 @@ categories (params, grads, optimizer_states, master_params) over ``LOCATIONS``:
             (``nvme_path/zero_stage_3/{bfloat16params,optimizer}/rank{r}/*.swp``).
 
 On a GPU run a tensor's place is read from the tensor itself (``t.device``: cuda is
-device, cpu is host). On a CPU-only machine both are the same RAM, so the place is the
+device, cpu is host), with one exception: torch's Adam/AdamW keeps each parameter's
+``state["step"]`` counter on the CPU by design (a 0-dim tensor, unless ``capturable`` or
+``fused``), offload or not. Those few bytes count where the rest of that optimizer state
+lives ("device" unless the backend offloaded it), so "all on the device" stays true of a
+run that offloads nothing. On a CPU-only machine both are the same RAM, so the place is the
 backend's own bookkeeping: the tensors it put in its offload path are "host". That shows
 *where* each backend puts what, not a saving (see notebooks/03_offload).
 
@@ -146,7 +150,9 @@ def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | No
             seen.add(ptr)
             if t.device.type != "cpu":
                 where = "device"
-            elif accelerator or ptr in offloaded:
+            elif ptr in offloaded:
+                where = "host"
+            elif accelerator and not (cat == "optimizer_states" and t.dim() == 0):  # torch Adam's step: see above
                 where = "host"
             else:
                 where = "device"

@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
               "grad_before_reduce", "reduce_dtype", "stored_grad", "optimizer_grad", "optimizer_states")
@@ -224,10 +226,7 @@ class UpdateTracker:
             counts[1] += changed if dtype == new.dtype else torch.count_nonzero(new.to(dtype) != old.to(dtype)).item()
             counts[2] += new.numel()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dev = next(self.engine.module.parameters()).device
-            counts = counts.to(dev)
-            dist.all_reduce(counts)
-            counts = counts.cpu()
+            comm.all_reduce(counts)  # a CPU tensor (the shards may be on the host too, under offload)
         self._before = None
         return {"updated_fraction": float(counts[0] / counts[2]),
                 "updated_fraction_compute": float(counts[1] / counts[2])}

@@ -24,13 +24,14 @@ machines. ``helpers.train`` writes ``flops_per_token``, ``peak_flops``,
   ``L``: 2 x 2 x H Q T forward, twice that backward. Not halved for the
   causal mask, as in PaLM, so numbers compare with published MFUs.
 
-**Peak** (per device = per rank): on a GPU, the dense bf16 tensor-core peak
-from ``GPU_PEAK_TFLOPS`` by device name; on a CPU, measured at job start by
+**Peak** (per device = per rank): on a GPU, the dense peak in the compute dtype
+from ``GPU_PEAK_TFLOPS`` by device name (bf16 tensor cores; for an fp32 job plain
+fp32, as torch keeps TF32 off by default, or TF32 = half the bf16 peak when it is
+switched on); on a CPU, measured at job start by
 ``measure_cpu_peak``: rank 0 alone (the others wait) times a square matmul
 in the job's compute dtype on the job's threads (``OMP_NUM_THREADS``, 1 in
 the guide), best of a few calls in about half a second. ``--peak-tflops``
-overrides both (a GPU that is not in the table; fp32/TF32 jobs on a GPU, as
-the table holds bf16 peaks).
+overrides both (a GPU that is not in the table).
 """
 
 from __future__ import annotations
@@ -43,22 +44,24 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported where it is used: train.py's argument parser imports this module
     import torch
 
-# Dense (no sparsity) bf16 peak per GPU, TFLOPS, from the vendors' data sheets. First match wins,
-# so the specific names come before the general ones. Extend it, or pass --peak-tflops.
-GPU_PEAK_TFLOPS: list[tuple[str, float]] = [
-    (r"\bGH200\b", 989.0),
-    (r"\bH200\b", 989.0),
-    (r"\bH100\b.*\bPCIe\b", 756.0),
-    (r"\bH100\b.*\bNVL\b", 835.0),
-    (r"\bH100\b", 989.0),  # SXM (the name reads e.g. "NVIDIA H100 80GB HBM3")
-    (r"\bH800\b", 989.0),
-    (r"\bA100\b", 312.0),
-    (r"\bA800\b", 312.0),
-    (r"\bL40S\b", 362.0),
-    (r"\bL4\b", 121.0),
-    (r"\bA10\b", 125.0),
-    (r"\bB200\b", 2250.0),
-    (r"\bMI300X\b", 1307.0),
+# Dense (no sparsity) peak per GPU, TFLOPS, from the vendors' data sheets: (bf16 tensor cores, plain fp32;
+# None where the sheet gives none we trust). First match wins, so the specific names come before the general
+# ones. fp32 matters: torch runs fp32 matmuls in true fp32 by default (TF32 off), about 15x below bf16 on an
+# H100. Extend it, or pass --peak-tflops.
+GPU_PEAK_TFLOPS: list[tuple[str, float, float | None]] = [
+    (r"\bGH200\b", 989.0, 67.0),
+    (r"\bH200\b", 989.0, 67.0),
+    (r"\bH100\b.*\bPCIe\b", 756.0, 51.0),
+    (r"\bH100\b.*\bNVL\b", 835.0, 60.0),
+    (r"\bH100\b", 989.0, 67.0),  # SXM (the name reads e.g. "NVIDIA H100 80GB HBM3")
+    (r"\bH800\b", 989.0, 67.0),
+    (r"\bA100\b", 312.0, 19.5),
+    (r"\bA800\b", 312.0, 19.5),
+    (r"\bL40S\b", 362.0, 91.6),
+    (r"\bL4\b", 121.0, 30.3),
+    (r"\bA10\b", 125.0, 31.2),
+    (r"\bB200\b", 2250.0, None),
+    (r"\bMI300X\b", 1307.0, 163.4),
 ]
 
 CPU_BENCH_N = 512  # square matmul size: big enough for the best kernel, short in bf16 on a CPU without bf16 units
@@ -89,12 +92,24 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
     return 6 * n + 12 * cfg.num_hidden_layers * heads * head_dim * seq_len
 
 
-def gpu_peak(name: str) -> float | None:
-    """Dense bf16 peak FLOPs of a GPU named ``name`` (torch.cuda.get_device_name), or None if unknown."""
-    for pattern, tflops in GPU_PEAK_TFLOPS:
+def gpu_peak(name: str, dtype: str = "bf16") -> float | None:
+    """Dense peak FLOPs of a GPU named ``name`` (torch.cuda.get_device_name) in ``dtype`` ("bf16" or "fp32";
+    "tf32": half the bf16 tensor-core peak), or None if unknown."""
+    for pattern, bf16, fp32 in GPU_PEAK_TFLOPS:
         if re.search(pattern, name):
-            return tflops * 1e12
+            tflops = {"bf16": bf16, "fp32": fp32, "tf32": bf16 / 2}[dtype]
+            return tflops * 1e12 if tflops else None
     return None
+
+
+def cuda_matmul_dtype(dtype: torch.dtype) -> str:
+    """What a matmul in ``dtype`` runs as on a GPU: bf16, fp32, or tf32 (fp32 with TF32 switched on)."""
+    import torch
+
+    if dtype != torch.float32:
+        return "bf16"
+    tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
+    return "tf32" if tf32 else "fp32"
 
 
 def measure_cpu_peak(dtype: torch.dtype, seconds: float = CPU_BENCH_SECONDS, n: int = CPU_BENCH_N) -> float:
@@ -120,11 +135,12 @@ def device_peak(device: torch.device, dtype: torch.dtype, override_tflops: float
     if override_tflops is not None:
         return override_tflops * 1e12, f"--peak-tflops {override_tflops:g}"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = gpu_peak(name)
+        name, kind = torch.cuda.get_device_name(device), cuda_matmul_dtype(dtype)
+        peak = gpu_peak(name, kind)
         if peak is None:
-            return None, f"unknown GPU {name!r}: not in helpers.throughput.GPU_PEAK_TFLOPS; pass --peak-tflops"
-        return peak, f"table: {name}, dense bf16"
+            return None, (f"no dense {kind} peak for GPU {name!r} in helpers.throughput.GPU_PEAK_TFLOPS; "
+                          "pass --peak-tflops")
+        return peak, f"table: {name}, dense {kind}"
     import torch.distributed as dist
 
     ranks = dist.get_world_size() if dist.is_initialized() else 1

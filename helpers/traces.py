@@ -4,7 +4,7 @@
                  ms from the start of the first profiled step (ranks share one host clock).
 ``phases(run)``  the ``guide::forward`` / ``guide::backward`` / ``guide::optimizer_step`` spans.
 ``collectives(run)``  count and bytes of all-gathers, reduce-scatters and all-reduces per step
-                 and rank, read from the collective calls themselves (``c10d::*``).
+                 and rank, read from the collective calls themselves (``c10d::*``, on every thread).
 ``peak_allocated(run)``  per rank, the most bytes the allocator held during the profiled steps.
 
 What counts as what (on CPU, gloo):
@@ -27,7 +27,7 @@ import pandas as pd
 
 from .profiling import trace_path
 
-# the collective calls the training thread makes, by kind; bytes = the larger (unsharded) tensor
+# the collective calls a rank makes (any thread), by kind; bytes = the larger (unsharded) tensor
 KINDS = {
     "c10d::_allgather_base_": "all_gather",
     "c10d::allgather_into_tensor_coalesced_": "all_gather",
@@ -156,13 +156,17 @@ def _nbytes(e: dict) -> int:
 
 
 def collective_calls(run) -> pd.DataFrame:
-    """Every collective call on the training thread: rank, step, kind, op, bytes (unsharded size)."""
+    """Every collective call, on any thread: rank, step, kind, op, bytes (unsharded size).
+
+    Any thread, not only the training thread: on CUDA, autograd runs the backward of GPU ops on its own
+    device thread, so FSDP2's backward all-gathers and reduce-scatters (issued from autograd hooks) are
+    recorded there. (gloo's own threads record ``gloo:*`` events, never ``c10d::*`` calls: no double count.)"""
     rows = []
     for r in ranks(run):
         tr = raw_trace(run, r)
-        steps, main = _steps(tr), _main_tid(tr)
+        steps = _steps(tr)
         for e in tr["traceEvents"]:
-            if e.get("ph") == "X" and e.get("tid") == main and e["name"] in KINDS:
+            if e.get("ph") == "X" and e["name"] in KINDS:
                 step = _step_of(e["ts"], steps)
                 if step is not None:
                     rows.append({"rank": r, "step": step, "kind": KINDS[e["name"]], "op": e["name"],

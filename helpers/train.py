@@ -123,9 +123,11 @@ def main(argv=None) -> int:
                                                "grad_accum", "grad_clip", "timeout", "model_dtype", "compile")}
     try:
         job = load_job_config(args.config, overrides, world_size=world_size)
+        from .comm import check_local_device
         from .models import model_config, resolve_model  # imports torch: after the quick checks
 
         spec = resolve_model(job.train.model)
+        check_local_device(local_rank)  # a GPU node: one GPU per rank
         if spec.kind != "preset":
             model_config(spec)  # a config.json that transformers cannot read is bad input too
         from .offload import prepare
@@ -274,6 +276,7 @@ def main(argv=None) -> int:
         run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
                 f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
 
+        peak.end_setup()  # the GPU allocator's peak counts training from here (set-up: setup_peak_memory_bytes)
         profiler = StepProfiler(args.out, rank, enabled=args.profile, use_cuda=use_cuda)
         every = max(1, t.steps // 10)
         bar = Progress(t.steps, active=rank == 0, initial=start)
@@ -314,7 +317,7 @@ def main(argv=None) -> int:
                             f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
             bar.update(rec["loss"], rec["tokens_per_s"])  # after the step line: the bar stays last
         bar.close()
-        summary["peak_memory_bytes"] = gather(peak.peak)
+        summary["peak_memory_bytes"], summary["setup_peak_memory_bytes"] = gather(peak.peak), gather(peak.setup_peak)
         summary["dtypes"] = dtypes.result()
         summary["profiled_steps"] = profiler.finish()  # None without --profile
         summary.update(status="completed", steps=len(records), **summarize_steps(records, tokens_per_rank_step))

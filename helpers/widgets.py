@@ -33,7 +33,7 @@ from pathlib import Path
 import ipywidgets as w
 import matplotlib.pyplot as plt
 
-from . import mapping, results
+from . import mapping, nb, results
 from .nb import REPO
 
 RUNS = REPO / "notebooks" / "runs"
@@ -79,7 +79,8 @@ class ControlPanel(w.VBox):
         self.notebook, self.configs, self.plot_fn, self.steps = notebook, configs, plot, steps
         self.modes = w.SelectMultiple(options=list(configs), value=tuple(selected or list(configs)[:2]),
                                       description="modes", rows=min(6, len(configs)))
-        self.world = w.Dropdown(options=[1, 2, 4], value=2, description="ranks")
+        sizes = nb.world_sizes([1, 2, 4])  # on a GPU node: up to its number of GPUs (one per nccl rank)
+        self.world = w.Dropdown(options=sizes, value=2 if 2 in sizes else sizes[-1], description="ranks")
         self.model = w.Dropdown(options=["tiny", "small"], value="tiny", description="model")
         self.lr = w.FloatLogSlider(value=lr, base=10, min=-5, max=-1, step=0.25, description="lr",
                                    readout_format=".1e")

@@ -38,7 +38,7 @@ from helpers import nb, plots, results
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 12 if SIZE == "quick" else 40
 GPUS = nb.gpu_count()
-NPROC = GPUS if GPUS else 2  # NCCL needs one GPU per rank; on CPU, 2 gloo ranks
+NPROC = nb.nproc()  # NCCL needs one GPU per rank: every GPU of the node; on CPU, 2 gloo ranks
 os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC))
 print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'nccl on ' + str(GPUS) + ' GPU(s)' if GPUS else 'gloo on the CPU'})")
 
@@ -118,13 +118,18 @@ fig.tight_layout()
 # **What it means.** The curves lie on top of each other and the difference is zero at
 # every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
 # (bf16 module, fp32 master partitions) do the same arithmetic. The cell below checks
-# this, so the claim fails loudly if it ever stops being true.
+# this, so the claim fails loudly if it ever stops being true. (Measured on the CPU with
+# gloo. On more than 2 GPUs nccl may sum in another order, so there the cell checks that
+# the losses agree closely; written for, not yet run on, GPUs: `nb.bitwise_parity_expected`.)
 
 # %%
-assert fsdp.summary["losses"] == ds.summary["losses"], "the backends diverged"
+if nb.bitwise_parity_expected(NPROC):
+    assert fsdp.summary["losses"] == ds.summary["losses"], "the backends diverged"
+else:
+    assert max(abs(a - b) for a, b in zip(fsdp.summary["losses"], ds.summary["losses"], strict=True)) < 1e-2
 assert len(fsdp.summary["losses"]) == STEPS
 assert fsdp.summary["final_loss"] < fsdp.summary["losses"][0] - 0.5, "the loss did not go down"
-print("identical losses at all", STEPS, "steps")
+print("identical" if nb.bitwise_parity_expected(NPROC) else "close (within 1e-2)", "losses at all", STEPS, "steps")
 
 # %% [markdown]
 # ## When the config is wrong

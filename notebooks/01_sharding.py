@@ -41,9 +41,11 @@ from helpers import mapping, models, nb, plots, results
 SIZE = nb.setup()
 # quick (CI): every mode at 2 ranks, the fully sharded pair also at 1 and 4, hybrids at 4
 FULL_SWEEP = SIZE == "full"
+WORLDS = nb.world_sizes([1, 2, 4])  # on a GPU node: those up to its number of GPUs (one per nccl rank)
+assert 2 in WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"
 JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory needs no long run
 os.environ["JOB"] = JOB
-print(f"size={SIZE}")
+print(f"size={SIZE}, ranks {WORLDS}")
 
 # %% [markdown]
 # ## The mapping, as data
@@ -69,7 +71,7 @@ pd.DataFrame(mapping.mapping_rows()).set_index("mode")
 # %%
 plan = []
 for key, mode in mapping.MODES.items():
-    sizes = [1, 2, 4] if FULL_SWEEP or key in ("full_shard", "zero3") else [2]
+    sizes = WORLDS if FULL_SWEEP or key in ("full_shard", "zero3") else [2]
     for ws in sizes:
         if ws >= mode.min_world_size:
             plan.append((ws, mode.config, f"notebooks/runs/01_{key}_{ws}"))
@@ -79,7 +81,7 @@ print(f"{len(plan)} jobs")
 
 # %% [markdown]
 # Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a
-# 2-core machine they share cores: slow, but the bytes are the same as on 4 GPUs.
+# 2-core CPU machine they share cores: slow, but the bytes are what 4 GPUs would hold.
 
 # %% language="bash"
 # set -o pipefail
@@ -99,8 +101,9 @@ mem.head()
 # Stacked bars: what rank 0 holds, by category. The black tick is the ZeRO model's total.
 
 # %%
-fig, axes = plots.plt.subplots(2, 2, sharey=True, figsize=(11, 7.5))
-for row, ws in zip(axes, (2, 4)):
+shown = [w for w in (2, 4) if w in WORLDS]
+fig, axes = plots.plt.subplots(len(shown), 2, sharey=True, figsize=(11, 3.75 * len(shown)), squeeze=False)
+for row, ws in zip(axes, shown, strict=True):
     plots.memory_bars(mem, world_size=ws, axes=row)
 fig.tight_layout()
 
@@ -147,7 +150,7 @@ plots.memory_vs_world(mem, sweep_modes);
 
 # %%
 totals = mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum()
-for m in ("full_shard", "zero3"):
+for m in ("full_shard", "zero3") if 4 in WORLDS else ():  # a node with fewer than 4 GPUs: not run
     quarter = totals[m, 4] / totals[m, 1]
     assert 0.24 <= quarter <= 0.26, (m, quarter)
     print(f"{m}: 4 ranks hold {quarter:.3f} of what 1 rank holds")
@@ -192,14 +195,22 @@ print("same total; FSDP's fp32 shard is its master, DeepSpeed keeps bf16 shards 
 #   (no second all-gather), FULL_SHARD frees them and gathers again. That is transient
 #   memory, not state, and the prefetch notebook measures it.
 #
-# The identity from notebook 00 holds at every world size we ran:
+# The identity from notebook 00 holds at every world size we ran on the CPU (gloo). Under
+# nccl beyond 2 ranks the two backends may sum in another order (`nb.bitwise_parity_expected`;
+# written for, not yet run on, GPUs): there the cell checks that the losses agree closely.
 
 # %%
 for ws in sorted(set(mem.world_size)):
     names = {r.summary["mode_key"]: r for r in runs if r.summary["world_size"] == ws}
     if {"full_shard", "zero3"} <= set(names):
-        assert names["full_shard"].summary["losses"] == names["zero3"].summary["losses"], ws
-        print(f"{ws} rank(s): FSDP full_shard and ZeRO-3 losses identical")
+        a, b = names["full_shard"].summary["losses"], names["zero3"].summary["losses"]
+        if nb.bitwise_parity_expected(ws):
+            assert a == b, ws
+            print(f"{ws} rank(s): FSDP full_shard and ZeRO-3 losses identical")
+        else:
+            gap = max(abs(x - y) for x, y in zip(a, b, strict=True))
+            assert gap < 1e-2, (ws, a, b)
+            print(f"{ws} rank(s): FSDP full_shard and ZeRO-3 losses within {gap:.1e} (nccl)")
 
 # %% [markdown]
 # ## What it buys: the largest micro-batch in a memory budget

@@ -48,7 +48,7 @@ SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 40 if SIZE == "quick" else 100  # steps of the precision runs
 SHORT = 8 if SIZE == "quick" else 20  # steps of the parity runs (section 6)
 GPUS = nb.gpu_count()
-NPROC = GPUS if GPUS else 2
+NPROC = nb.nproc()
 LR = 1e-5  # where bf16 updates round away (section 1 checks it)
 LR_SCALED = LR * NPROC  # the seeds' first fix: the rate times the number of ranks
 LR_HIGH = 1e-4  # the seeds' second fix: another rate for everyone
@@ -100,7 +100,8 @@ fig.tight_layout()
 
 # %%
 assert low.summary["losses"][0] == mixed.summary["losses"][0] == ds.summary["losses"][0]  # same start
-assert mixed.summary["losses"] == ds.summary["losses"], "aligned FSDP and DeepSpeed differ"  # bit for bit
+if nb.bitwise_parity_expected(NPROC):  # bit for bit (CPU, or up to 2 GPUs: see nb.bitwise_parity_expected)
+    assert mixed.summary["losses"] == ds.summary["losses"], "aligned FSDP and DeepSpeed differ"
 ratio = drops["FSDP low precision"] / drops["FSDP aligned"]
 assert drops["FSDP aligned"] > 0.02, drops
 assert ratio < 1 / 3, f"low precision got {ratio:.2f} of the mixed mode's drop; expected a stall"

@@ -43,7 +43,8 @@ from helpers import loading, nb, plots, results
 
 SIZE = nb.setup()  # "quick" under `make test`: a smaller model, 2 ranks only
 MODEL, WORLDS = ("small", [2]) if SIZE == "quick" else ("medium", [2, 4])
-GPUS = nb.gpu_count()
+WORLDS = nb.world_sizes(WORLDS)  # on a GPU node: up to its number of GPUs (one per nccl rank)
+assert WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"
 PRETRAINED = f"notebooks/runs/05_pretrained_{MODEL}"
 os.environ.update(MODEL=MODEL, PRETRAINED=PRETRAINED, WORLDS=" ".join(map(str, WORLDS)))
 print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
@@ -79,6 +80,9 @@ print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
 # done
 
 # %% [markdown]
+# (Host memory only: on a GPU node the same jobs put the shards on the GPUs, which these
+# numbers do not show; the cells are written for, not yet run on, a GPU.)
+#
 # ## Why `RssAnon` and `RssFile`, not RSS
 #
 # transformers memory-maps safetensors files. Pages of the mapping count in RSS as

@@ -41,12 +41,14 @@ from helpers import metrics, models, nb, plots, results, throughput
 SIZE = nb.setup()
 QUICK = SIZE == "quick"
 GPUS = nb.gpu_count()
-NPROC = GPUS if GPUS else 2  # one rank per core here, as one rank per GPU there
+NPROC = nb.nproc()  # one rank per GPU on a GPU node (nccl), else one per core here
+RANK_SWEEP = nb.world_sizes([1, 2, 4])  # on a GPU node: up to its number of GPUs
 PAIR_STEPS = 8 if QUICK else 20
 SIZES = ["tiny", "small"] if QUICK else ["tiny", "small", "medium"]
 RANKS_MODEL = "tiny" if QUICK else "small"
 SWEEP = "--steps 5 --micro-batch 2 --seq-len 64 --dtype fp32"
 os.environ.update(NPROC=str(NPROC), PAIR_STEPS=str(PAIR_STEPS), SIZES=" ".join(SIZES),
+                  RANK_SWEEP=" ".join(map(str, RANK_SWEEP)),
                   RANKS_MODEL=RANKS_MODEL, SWEEP=SWEEP)
 print(f"size={SIZE}: pair {PAIR_STEPS} steps on {NPROC} ranks; sizes {SIZES}; ranks sweep on {RANKS_MODEL}; "
       f"warm-up steps left out: {metrics.WARMUP_STEPS}")
@@ -62,9 +64,10 @@ print(f"size={SIZE}: pair {PAIR_STEPS} steps on {NPROC} ranks; sizes {SIZES}; ra
 #   arithmetic, and in our presets it is 15-22% of all parameters — but keeps the output
 #   projection `lm_head`, a real hidden x vocab matmul. `12 L H Q T` is attention's two
 #   matmuls (`QK^T`, `AV`) over the sequence, not halved for the causal mask.
-# * **Peak**: on a GPU, the dense bf16 tensor-core peak by device name
-#   (`helpers.throughput.GPU_PEAK_TFLOPS`: A100 312, H100 SXM 989, H200 989 TFLOPS, ...),
-#   or `--peak-tflops` for one the table lacks. On a CPU there is no data sheet to trust,
+# * **Peak**: on a GPU, the dense peak in the compute dtype by device name
+#   (`helpers.throughput.GPU_PEAK_TFLOPS`: bf16 A100 312, H100 SXM 989, H200 989 TFLOPS, ...;
+#   plain fp32 for fp32 jobs, as torch keeps TF32 off: H100 67), or `--peak-tflops` for one
+#   the table lacks (written for, not yet run on, a GPU). On a CPU there is no data sheet to trust,
 #   so each job **measures** it at start: rank 0 alone times a 512x512 matmul in the job's
 #   compute dtype on its one thread (about half a second; the other ranks wait).
 # * **Warm-up**: the first two steps are left out of the medians — step 0 pays first-touch
@@ -204,11 +207,11 @@ for backend in ("fsdp", "deepspeed"):
 #
 # ## Throughput and MFU vs ranks
 #
-# The same model on 1, 2 and 4 ranks. This machine has 2 cores: at 4 ranks, two ranks
-# share each core.
+# The same model on 1, 2 and 4 ranks (on a GPU node: as many of those as it has GPUs). This
+# CPU machine has 2 cores: at 4 ranks, two ranks share each core.
 
 # %% language="bash"
-# python benchmarks/scaling.py --models $RANKS_MODEL --world-sizes 1 2 4 $SWEEP --out notebooks/runs/07_ranks.csv
+# python benchmarks/scaling.py --models $RANKS_MODEL --world-sizes $RANK_SWEEP $SWEEP --out notebooks/runs/07_ranks.csv
 
 # %%
 ranks = pd.read_csv("notebooks/runs/07_ranks.csv")
@@ -217,15 +220,15 @@ for backend, g in ranks.groupby("backend"):
     kw = dict(color=plots.COLORS[backend], label=backend, **plots.LINES[backend])
     left.plot(g.world_size, g.tokens_per_s, **kw)
     right.plot(g.world_size, g.mfu, **kw)
-left.set(xlabel="ranks", ylabel="tokens/s, all ranks", title=f"{RANKS_MODEL}: total throughput", xticks=[1, 2, 4])
-right.set(xlabel="ranks", ylabel="MFU (per rank)", title="MFU vs ranks", xticks=[1, 2, 4], ylim=(0, 1))
+left.set(xlabel="ranks", ylabel="tokens/s, all ranks", title=f"{RANKS_MODEL}: total throughput", xticks=RANK_SWEEP)
+right.set(xlabel="ranks", ylabel="MFU (per rank)", title="MFU vs ranks", xticks=RANK_SWEEP, ylim=(0, 1))
 left.legend(), right.legend()
 fig.tight_layout()
 ranks[["backend", "world_size", "step_time_s", "tokens_per_s_per_rank", "tokens_per_s", "mfu"]].round(3)
 
 # %%
 rk = ranks.set_index(["backend", "world_size"])
-for backend in ("fsdp", "deepspeed"):
+for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU node each rank has its own GPU
     two, four = rk.loc[(backend, 2)], rk.loc[(backend, 4)]
     # 4 ranks share 2 cores: no rank gets faster. (On an idle machine each gets about half as fast; on one
     # shared with other jobs the drop is smaller, as our 4 ranks then claim a larger share of the cores.)

@@ -23,8 +23,28 @@ def job_env() -> dict:
     return env
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a GPU node, tests marked ``cpu_only(reason)`` are skipped with their reason; the rest runs (nccl)."""
+    if not gpu_count():
+        return
+    for item in items:
+        mark = item.get_closest_marker("cpu_only")
+        if mark:
+            item.add_marker(pytest.mark.skip(reason=f"CPU only: {mark.args[0] if mark.args else ''}"))
+
+
 def job_cmd(config: str, out: Path, nproc: int = 2, *extra: str) -> list[str]:
-    """torchrun (nproc > 0) or plain python (nproc == 0) -m helpers.train."""
+    """torchrun (nproc > 0) or plain python (nproc == 0) -m helpers.train. On a GPU node with fewer GPUs
+    than ``nproc`` the test is skipped: nccl takes one GPU per rank."""
+    gpus = gpu_count()
+    if gpus and nproc > gpus:
+        pytest.skip(f"needs {nproc} GPUs (one per nccl rank); this node has {gpus}")
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc else [sys.executable])
     return [*launcher, "-m", "helpers.train", "--config", config, "--out", str(out), *extra]

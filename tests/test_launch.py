@@ -44,6 +44,7 @@ def test_launch_refuses_bad_settings_in_one_line(args, needle):
     assert launch("--nnodes", "1").stderr.startswith("error: give the job after --")
 
 
+@pytest.mark.cpu_only("two nodes on one machine both take GPU 0, which nccl refuses")
 @pytest.mark.parametrize("backend,config", [("fsdp", FSDP), ("deepspeed", ZERO3)])
 def test_two_nodes_train_like_one(tiny_pair, tmp_path, backend, config):
     """Two torchrun processes (--nnodes 2, one rank each) meet on 127.0.0.1 and train like one 2-rank node."""
@@ -78,6 +79,7 @@ def _fake_slurm(tmp_path, hosts: str, srun_body: str) -> dict:
     return env
 
 
+@pytest.mark.cpu_only("two nodes on one machine both take GPU 0, which nccl refuses")
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_sbatch_runs_the_launch_command_once_per_node(tmp_path, backend):
     env = _fake_slurm(tmp_path, "node1\\nnode2\\n", 'printf "%s\\n" "$@"\n')  # dry run: print srun's argv

@@ -43,6 +43,7 @@ def places(s: dict, cat: str, rank: int) -> set[str]:
     return {loc for loc, n in s["memory_location_bytes"][rank][cat].items() if n}
 
 
+@pytest.mark.cpu_only("offload steps the optimizer on the host; on a GPU it may round unlike the device step (unverified)")
 def test_losses_equal_no_offload(offload_runs):
     base = offload_runs["zero3"]["losses"]
     assert offload_runs["full_shard"]["losses"] == base  # the aligned pair, as without offload

@@ -24,6 +24,7 @@ def profiled(tmp_path_factory):
     return base
 
 
+@pytest.mark.cpu_only("gloo's event names and threads; on a GPU the lanes are CUDA kernels")
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_trace_per_rank_has_comm_and_compute(profiled, backend):
     out = profiled / backend

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from .. import comm
 from ..config import JobConfig
 from ..models import decoder_layers
 from ..wrap import wrap_modules
@@ -137,8 +138,8 @@ class FSDPEngine:
         for p in params:
             sq += p.grad.to_local().double().norm(2) ** 2
         shard_dim = self.mesh["shard"] if self.mesh.ndim > 1 else self.mesh
-        if shard_dim.size() > 1:
-            dist.all_reduce(sq, group=shard_dim.get_group())
+        if shard_dim.size() > 1:  # on the host under CPU offload: comm moves it to the group's device
+            comm.all_reduce(sq, group=shard_dim.get_group())
         return sq.sqrt()
 
     def _clip(self, norm: torch.Tensor) -> None:

@@ -39,8 +39,8 @@ libaio:
 	@test -e /usr/include/libaio.h || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
 		{ apt-get install -y -qq libaio-dev || { apt-get update -qq && apt-get install -y -qq libaio-dev; }; } \
 		>/dev/null 2>&1 && echo "setup: installed libaio-dev"; } || \
-		echo "setup: libaio-dev is not installed (needs root: sudo apt-get install libaio-dev, then" \
-		"python -m helpers.warmup); NVMe offload will be skipped"
+		echo "setup: libaio-dev is not installed (needs root: sudo apt-get install libaio-dev);" \
+		"NVMe offload will be skipped"
 
 lab: setup
 	$(VENV)/bin/jupyter lab notebooks/

@@ -23,8 +23,8 @@ backend's own bookkeeping: the tensors it put in its offload path are "host". Th
 *where* each backend puts what, not a saving (see notebooks/03_offload).
 
 Also here: ``prepare(job, out)`` (before any rank starts) gives each run its own swap
-directory and refuses NVMe offload without libaio, and ``aio_status()`` says whether
-DeepSpeed's async I/O op can be used and whether it is built yet.
+directory, refuses NVMe offload without libaio and builds DeepSpeed's async I/O op on its
+first use (``build_aio``), and ``aio_status()`` says whether that op can be used and is built.
 """
 
 from __future__ import annotations
@@ -198,7 +198,33 @@ def prepare(job, out: str) -> list[str]:
         if not ok:
             raise ConfigError(f"{job.source}: offload to nvme needs DeepSpeed's async_io op, which cannot be "
                               f"built here: {why}")
+        notes += build_aio()
     return notes
+
+
+def build_aio() -> list[str]:
+    """Build DeepSpeed's async_io op on first use (before the job's --timeout clock starts), saying so.
+
+    ``make setup`` does not build it (~5 min on 2 cores, for one notebook cell); the first NVMe job
+    does, once per machine (cached under $TORCH_EXTENSIONS_DIR; ``python -m helpers.warmup --nvme`` builds
+    it ahead, e.g. before a workshop). Every rank calls this; torch's build lock makes one build and the
+    others wait for it. Returns a note for log.txt when this job built it."""
+    if _built("async_io"):
+        return []
+    import time
+
+    from .warmup import clear_stale_locks
+
+    notes = clear_stale_locks(("async_io",))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("note: building DeepSpeed's async_io op for NVMe offload: first use on this machine, about 5 min "
+              "on 2 cores, once (python -m helpers.warmup --nvme builds it ahead)", flush=True)
+    t0 = time.perf_counter()
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    AsyncIOBuilder().load(verbose=False)
+    return notes + [f"built DeepSpeed's async_io op for NVMe offload in {time.perf_counter() - t0:.0f} s "
+                    "(first use on this machine; cached from now on)"]
 
 
 def aio_status() -> tuple[bool, str]:
@@ -208,8 +234,9 @@ def aio_status() -> tuple[bool, str]:
 
     b = AsyncIOBuilder()
     if not b.is_compatible(verbose=False):
-        return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev, then make setup)"
-    return True, "built" if _built(b.name) else "not built yet: the first NVMe job compiles it (~5 min on 2 cores)"
+        return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev)"
+    return True, ("built" if _built(b.name) else
+                  "not built yet: the first NVMe job compiles it (~5 min on 2 cores, once)")
 
 
 def _built(name: str) -> bool:

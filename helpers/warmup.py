@@ -1,20 +1,22 @@
 """Build DeepSpeed's CPU ops once, up front, so no notebook cell waits on gcc.
 
-    python -m helpers.warmup            # what every DeepSpeed CPU job needs, and the NVMe-offload op
+    python -m helpers.warmup            # what every DeepSpeed CPU job needs (make setup runs this)
+    python -m helpers.warmup --nvme     # also the NVMe-offload op (before a workshop, say)
 
 What it builds, and what each costs the first time on 2 idle cores:
 
 * ``deepspeed_shm_comm`` (shared-memory collectives; every DeepSpeed CPU job), ~1 min;
-* ``async_io`` (Linux async I/O; only NVMe offload, ``launch_configs/deepspeed/zero3_nvme.yaml``),
-  ~5 min, and only where libaio's header is installed (``apt-get install libaio-dev``; ``make
-  setup`` installs it when run as root). Without it this step is skipped with a note, and the
-  offload notebook skips its NVMe run, saying why.
+* with ``--nvme``: ``async_io`` (Linux async I/O; only NVMe offload,
+  ``launch_configs/deepspeed/zero3_nvme.yaml``), ~5 min, and only where libaio's header is
+  installed (``apt-get install libaio-dev``; ``make setup`` installs it when run as root). Without
+  ``--nvme`` the first NVMe job builds it, saying so, before its ``--timeout`` clock starts
+  (``helpers.offload.build_aio``). Without libaio the offload notebook skips its NVMe run, saying why.
 
 Nothing else is built: the CPU offload configs step a torch AdamW on the host
 (``zero_force_ds_cpu_optimizer: false``), so DeepSpeed's ``cpu_adam`` op is never needed.
 The builds are cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
-a second call takes a few seconds. ``make setup`` runs this. On a GPU node DeepSpeed builds
-its CUDA ops itself, when first used.
+a second call takes a few seconds. On a GPU node DeepSpeed builds its CUDA ops itself, when
+first used.
 
 A build that was interrupted leaves a ``lock`` file that would make every later job wait on it
 for ever: this step, and every DeepSpeed CPU job, removes such a lock first
@@ -93,6 +95,10 @@ def main() -> int:
     from .offload import aio_status
 
     usable, state = aio_status()
+    if "--nvme" not in sys.argv[1:]:
+        print(f"warmup: DeepSpeed's async_io op (NVMe offload only): {state}" if usable else
+              f"warmup: NVMe offload unavailable: {state}")
+        return 0
     if not usable:
         print(f"warmup: skipping DeepSpeed's async_io op (NVMe offload): {state}")
         return 0

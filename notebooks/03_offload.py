@@ -71,8 +71,9 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 #
 # DeepSpeed reads and writes its swap files with Linux async I/O, a C++ op it compiles once
 # (it needs libaio's header: `apt-get install libaio-dev`). `make setup` installs the header
-# when it can and compiles the op (`python -m helpers.warmup`, about 5 minutes on 2 cores);
-# a notebook cell never compiles it without saying so:
+# when it can; the first NVMe job on a machine compiles the op (about 5 minutes on 2 cores, once),
+# and `python -m helpers.warmup --nvme` does it ahead of time. A cell never compiles it without
+# saying so:
 
 # %%
 if not NVME_OK:
@@ -81,7 +82,7 @@ elif NVME_STATE == "built":
     print("NVMe run: DeepSpeed's async_io op is built; the NVMe run starts right away.")
 else:
     print("NVMe run: async_io is NOT built yet. The NVMe cell below waits for a one-time compile "
-          "(~5 min on 2 cores) before its first step; `python -m helpers.warmup` does it ahead of time.")
+          "(~5 min on 2 cores) before its first step; `python -m helpers.warmup --nvme` does it ahead of time.")
 
 # %% [markdown]
 # ## The offload keys

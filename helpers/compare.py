@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .tensor_trace import FILE as TRACE_FILE
-from .tensor_trace import STAGES
+TRACE_FILE = "tensor_trace.jsonl"  # written by helpers.tensor_trace (--trace-tensors)
+STAGES = ("weight", "grad_local", "grad_reduced", "update")  # in the order a step produces them
 
 
 class CompareError(ValueError):
@@ -47,7 +47,18 @@ class TensorDiff:
         changed = (f"; elements changed {self.changed_a} vs {self.changed_b}"
                    if self.stage == "update" else "")
         return (f"first differing tensor: step {self.step} {self.stage} of {self.param}: "
-                f"{self.dtype_a} vs {self.dtype_b}{more}{changed}")
+                f"{self.dtype_a} vs {self.dtype_b}{more}{changed}\n  {HINTS.get(self.stage, '')}").rstrip()
+
+
+HINTS = {  # what a first difference at each stage says about where the two runs part
+    "weight": "the weights differ before any gradient: a different start (seed, loading, dtype rounding)",
+    "grad_local": "same weights, different local gradients: the forward/backward arithmetic differs "
+                  "(kernels, dtypes, a patched op) or the data does",
+    "grad_reduced": "same local gradients, different reduced ones: the reduction (dtype, order, averaging) "
+                    "or clipping differs",
+    "update": "same gradients, different updates: the optimizer step differs (its dtype, hyperparameters, "
+              "or a bf16 weight that rounds a small update away)",
+}
 
 
 @dataclass

@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-STAGES = ("weight", "grad_local", "grad_reduced", "update")
-FILE = "tensor_trace.jsonl"
+from .compare import STAGES
+from .compare import TRACE_FILE as FILE
+
 _MODS = ((2_147_483_647, 48_271, 11), (2_147_483_629, 69_621, 7))  # (prime, a, b): weight (a*i + b) mod p
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 

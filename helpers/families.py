@@ -75,7 +75,10 @@ def sweep(config: str, out: str, steps: int, names: list[str]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     for name in names:
-        path = write_config(name, Path(out) / "configs")  # every rank writes the same bytes
+        path = Path(out) / "configs" / f"{name}.json"
+        if rank == 0:
+            write_config(name, path.parent)
+        dist.barrier()  # written before any rank reads it
         job = load_job_config(config, {"model": str(path), "steps": steps, "micro_batch": 2, "seq_len": 16},
                               world_size=world)
         t = job.train

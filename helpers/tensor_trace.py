@@ -53,13 +53,13 @@ def fingerprint(values: torch.Tensor, offset: int = 0) -> torch.Tensor:
         offset *= 2
     else:
         bits = v.float().view(torch.int32)
-    bits = bits.long().cpu() & 0xFFFFFFFF
-    idx = torch.arange(bits.numel(), dtype=torch.int64) + offset
-    out = torch.zeros(2, dtype=torch.int64)
-    for k, (p, a, b) in enumerate(_MODS):
+    bits = bits.long() & 0xFFFFFFFF  # on the tensor's device; only the two sums come back
+    idx = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) + offset
+    out = []
+    for p, a, b in _MODS:
         w = ((idx % p) * a + b) % p
-        out[k] = ((bits % p) * w % p).sum() % p
-    return out
+        out.append(((bits % p) * w % p).sum() % p)
+    return torch.stack(out).cpu()
 
 
 def check(job) -> str | None:

@@ -433,15 +433,21 @@ print(f"implicit clipping: losses part at step {clip.first_step}; first tensor: 
 # %% language="bash"
 # for mode in fsdp/full_shard deepspeed/zero3; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$mode.yaml \
-#         --out notebooks/runs/02_accum_$(basename $mode) $ARGS --steps $SHORT --lr $LR_HIGH --grad-accum 2 | tail -n 1
+#         --out notebooks/runs/02_accum_$(basename $mode) $ARGS --steps $SHORT --lr $LR_HIGH --grad-accum 2 \
+#         --trace-tensors | tail -n 1
 # done
+# python -m helpers.compare notebooks/runs/02_accum_full_shard notebooks/runs/02_accum_zero3
 
 # %%
 acc_f, acc_d = results.load_runs("notebooks/runs/02_accum_full_shard", "notebooks/runs/02_accum_zero3")
 acc_gap = (acc_f.metrics["loss"] - acc_d.metrics["loss"]).abs()
 assert acc_f.summary["tokens_per_step"] == acc_d.summary["tokens_per_step"] == 2 * mixed.summary["tokens_per_step"]
 assert acc_gap.iloc[0] == 0 and 0 < acc_gap.max() < 1e-3, acc_gap.tolist()
-print(f"--grad-accum 2: same first step, then up to {acc_gap.max():.1e} apart over {SHORT} steps (not bitwise)")
+acc = compare.compare("notebooks/runs/02_accum_full_shard", "notebooks/runs/02_accum_zero3")
+assert (acc.tensor.step, acc.tensor.stage) == (0, "grad_reduced"), acc.report()  # local grads agree
+print(f"--grad-accum 2: same first loss, then up to {acc_gap.max():.1e} apart over {SHORT} steps (not bitwise); "
+      f"first differing tensor: step {acc.tensor.step} {acc.tensor.stage} "
+      f"({acc.tensor.differing} of {acc.tensor.total} parameters)")
 
 # %% [markdown]
 # Close, but not bit for bit, although nothing is clipped. The two backends add the same
@@ -450,6 +456,8 @@ print(f"--grad-accum 2: same first step, then up to {acc_gap.max():.1e} apart ov
 # `no_sync`): it reduces every micro-batch and adds the reduced shards in its gradient
 # buffer, which is bf16 unless the JSON says `"data_types": {"grad_accum_dtype": "fp32"}`.
 # Rounding bf16 sums in another order changes a few last bits, and training carries them on.
+# `compare` agrees: every micro-batch's local gradient is the same on both sides at step 0;
+# the first tensors that differ are the reduced gradients of that step.
 #
 # ### Ten model families
 #

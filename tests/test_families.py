@@ -18,11 +18,9 @@ from helpers.families import FAMILIES, KNOWN_EXCEPTIONS
 STEPS = 3
 
 
-def sweep(config: str, out, families=None):
+def sweep(config: str, out):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "helpers.families", "--config", str(config), "--out", str(out), "--steps", str(STEPS)]
-    if families:
-        cmd += ["--families", ",".join(families)]
     proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -31,7 +29,7 @@ def sweep(config: str, out, families=None):
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
     base = tmp_path_factory.mktemp("families")
-    return {"fsdp": sweep(FSDP, base / "fsdp"), "deepspeed": sweep(ZERO3, base / "zero3"), "base": base}
+    return {"fsdp": sweep(FSDP, base / "fsdp"), "deepspeed": sweep(ZERO3, base / "zero3")}
 
 
 def test_the_sweep_covers_what_the_issue_asks():
@@ -58,17 +56,25 @@ def test_family_is_bit_identical_under_the_aligned_pair(sweeps, family):
         "a parameter with a gradient did not move: the trace would miss a difference there"
 
 
-def test_deepspeed_default_linear_parts_biased_families_from_step_1(sweeps):
-    """Without memory_efficient_linear: false, ZeRO-3 swaps F.linear: biased layers part, bias-free ones do not."""
-    cfg = json.loads((REPO / "launch_configs/deepspeed/zero3.json").read_text())
-    del cfg["zero_optimization"]["memory_efficient_linear"]
-    d = sweeps["base"] / "default_linear"
-    d.mkdir()
-    (d / "zero3.json").write_text(json.dumps(cfg))
-    (d / "zero3.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: zero3.json\n")
-    out = sweep(d / "zero3.yaml", d / "runs", ["llama", "qwen2"])
-    assert compare(sweeps["fsdp"] / "llama", out / "llama").identical
-    result = compare(sweeps["fsdp"] / "qwen2", out / "qwen2")
-    assert result.first_step == 1, result.report()  # biases start at zero: step 0 is the same
-    t = result.tensor
-    assert (t.step, t.stage, t.dtype_a, t.dtype_b) == (1, "grad_local", "bf16", "bf16"), result.report()
+def test_zero3_default_linear_is_the_qwen2_cause():
+    """ZeRO-3's default (memory_efficient_linear) linear adds the bias in a second bf16 rounding.
+
+    With the shipped JSONs it is off, and the sweep above holds Qwen2 (q/k/v biases) identical; the
+    precision notebook runs Qwen2 under the default and shows it parting at step 1 (biases start at 0).
+    """
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 16, 64, generator=g).bfloat16(), (torch.randn(32, 64, generator=g) / 8).bfloat16()
+    zero, bias = torch.zeros(32, dtype=torch.bfloat16), torch.randn(32, generator=g).bfloat16()
+    assert torch.equal(torch.nn.functional.linear(x, w, zero), zero3_linear_wrap(x, w, zero))
+    assert not torch.equal(torch.nn.functional.linear(x, w, bias), zero3_linear_wrap(x, w, bias))
+    assert torch.equal(torch.nn.functional.linear(x, w), zero3_linear_wrap(x, w))  # no bias: same
+    for shipped in sorted((REPO / "launch_configs/deepspeed").glob("zero3*.json")):
+        assert json.loads(shipped.read_text())["zero_optimization"]["memory_efficient_linear"] is False, shipped

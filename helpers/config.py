@@ -354,7 +354,8 @@ def _deepspeed_options(c: _Checker, raw: dict) -> tuple[DeepSpeedOptions, Precis
             c.fail(f"{found}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}")
         if not isinstance(o.json, dict):
             c.fail(f"{found}: expected a JSON object")
-        return o, *_read_ds_json(c, o, str(found), notes)
+        o, mp, notes = o, *_read_ds_json(c, o, str(found), notes)
+        return o, mp, notes + _linear_note(o)
 
     # Inline keys: build the JSON the way Accelerate does.
     mp = c.value("mixed_precision", raw.get("mixed_precision") or "no", ["no", "bf16"])
@@ -385,7 +386,17 @@ def _deepspeed_options(c: _Checker, raw: dict) -> tuple[DeepSpeedOptions, Precis
             "gradient_clipping: 0 in the YAML is dropped (Accelerate only passes a non-zero value), "
             "so DeepSpeed clips at its default 1.0; set it in a deepspeed_config_file to turn clipping off"
         )
-    return o, mp, notes
+    return o, mp, notes + _linear_note(o)
+
+
+LINEAR_NOTE = ("zero_optimization.memory_efficient_linear is not false: ZeRO-3 replaces torch's F.linear with "
+               "DeepSpeed's, which adds the bias in a second bf16 rounding, so layers with biases (Qwen2, "
+               "GPT-NeoX, ...) part from FSDP in the last bits from step 1; set it to false for parity")
+
+
+def _linear_note(o: DeepSpeedOptions) -> list[str]:
+    zo = o.json.get("zero_optimization") or {}
+    return [LINEAR_NOTE] if o.zero_stage == 3 and zo.get("memory_efficient_linear", True) is not False else []
 
 
 def _read_ds_json(c: _Checker, o: DeepSpeedOptions, path: str, notes: list[str]):

@@ -15,6 +15,10 @@ A job started with ``--out DIR`` writes, from rank 0 only:
     reason (also when stopped by SIGTERM or --timeout); a job whose rank 0 is
     killed outright (SIGKILL) writes nothing, so a directory without a summary
     is an incomplete run, never a completed one.
+``DIR/tensor_trace.jsonl``
+    Only with ``--trace-tensors``: per step, an exact fingerprint and the dtype of every
+    parameter's weight, local and reduced gradient and update (helpers.tensor_trace), which
+    ``python -m helpers.compare`` reads.
 ``DIR/error_rank{r}.txt``
     Written by rank ``r`` (any rank) when it fails, times out or is stopped:
     reason, step, where, traceback. Rank 0 reads them to name the failed rank.

@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler trace per rank of a few steps "
                     "after warm-up into the run directory (helpers.profiling)")
+    ap.add_argument("--trace-tensors", action="store_true", help="exact fingerprint of every parameter's weight, "
+                    "gradient (before and after reduction) and update per step into DIR/tensor_trace.jsonl "
+                    "(helpers.tensor_trace; python -m helpers.compare reads it)")
     ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.checkpoint)")
     ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
     ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
     from .precision import DtypeProbe, UpdateTracker
     from .profiling import StepProfiler
     from .progress import Progress
+    from .tensor_trace import TensorTracer
     from .throughput import compute_dtype, device_peak, flops_per_token, fmt_flops, summary_keys
 
     run = RunDir(args.out, active=rank == 0)
@@ -278,6 +282,9 @@ def main(argv=None) -> int:
 
         peak.end_setup()  # the GPU allocator's peak counts training from here (set-up: setup_peak_memory_bytes)
         profiler = StepProfiler(args.out, rank, enabled=args.profile, use_cuda=use_cuda)
+        tracer = TensorTracer(args.out, rank, world_size) if args.trace_tensors else None
+        if tracer:
+            tracer.on_train_begin(engine)
         every = max(1, t.steps // 10)
         bar = Progress(t.steps, active=rank == 0, initial=start)
         for step in range(start, t.steps):
@@ -291,11 +298,15 @@ def main(argv=None) -> int:
             if step == probe_step:
                 dtypes.arm()
             updates.before()
+            if tracer:
+                tracer.on_step_begin(step)
             lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
             with Timer(device) as timer:
                 loss, grad_norm = engine.train_step(batches, probe if step == probe_step else None)
             peak.sample()
             profiler.step()
+            if tracer:
+                tracer.on_step_end(step)
             if step == probe_step:
                 summary.update(memory_summary(job, probe, peak, summary["num_params"], t.micro_batch))
             dist.all_reduce(loss)
@@ -317,6 +328,8 @@ def main(argv=None) -> int:
                             f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
             bar.update(rec["loss"], rec["tokens_per_s"])  # after the step line: the bar stays last
         bar.close()
+        if tracer:
+            tracer.on_train_end()
         summary["peak_memory_bytes"], summary["setup_peak_memory_bytes"] = gather(peak.peak), gather(peak.setup_peak)
         summary["dtypes"] = dtypes.result()
         summary["profiled_steps"] = profiler.finish()  # None without --profile
@@ -409,6 +422,12 @@ def check_observers(job, spec, args) -> None:
     if args.profile and job.train.steps < MIN_STEPS:
         raise ConfigError(f"--steps = {job.train.steps}: --profile records steps after warm-up and needs "
                           f"--steps >= {MIN_STEPS}")
+    if args.trace_tensors:
+        from .tensor_trace import check
+
+        why = check(job)
+        if why:
+            raise ConfigError(f"{job.source}: {why}")
     if job.backend == "fsdp":
         from .wrap import check_wrap_policy
 

@@ -112,6 +112,8 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
     target, exact = counterpart(key)
     stage = int(target.key[4])
     zo: dict = {"stage": stage}
+    if stage == 3:  # ZeRO-3 otherwise swaps torch's F.linear for one that adds the bias in a second rounding
+        zo["memory_efficient_linear"] = False
     if o.sharding == "HYBRID_SHARD_ZERO2":
         warn("sharding HYBRID_SHARD_ZERO2: DeepSpeed has no hybrid ZeRO-2; nearest: ZeRO-2 across all ranks")
     elif not exact:
@@ -309,6 +311,11 @@ def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
         warn(f"zero_optimization.stage3_prefetch_bucket_size = {bucket}: FSDP2 prefetches one module ahead, not "
              f"by bytes; nearest: {'fsdp_backward_prefetch NO_PREFETCH' if bucket == 0 else 'its default'} "
              "(a hint: losses do not change)")
+    mel = zo.pop("memory_efficient_linear", True)
+    if d.zero_stage == 3 and mel is not False:
+        warn(f"zero_optimization.memory_efficient_linear = {mel!r} (DeepSpeed's default): ZeRO-3 replaces torch's "
+             "F.linear with one that adds the bias in a second bf16 rounding; FSDP keeps torch's, so layers with "
+             "biases (Qwen2, GPT-NeoX, ...) part in the last bits from step 1; nearest: torch's (false)")
     for k, v in zo.items():
         warn(f"zero_optimization.{k} = {v!r}: no FSDP knob; dropped")
 

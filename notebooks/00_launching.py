@@ -56,7 +56,9 @@ print(Path("launch_configs/fsdp/full_shard.yaml").read_text())
 # %% [markdown]
 # The DeepSpeed YAML points at a JSON file. That is where the settings live that make
 # the pair train identically: **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
-# you say nothing, and Accelerate drops a `0.0` written in the YAML) and bf16 on.
+# you say nothing, and Accelerate drops a `0.0` written in the YAML), bf16 on, and
+# **`memory_efficient_linear: false`** (ZeRO-3 otherwise swaps torch's linear for its own,
+# which rounds layers with biases differently, e.g. Qwen2's: notebook 02).
 
 # %%
 print(Path("launch_configs/deepspeed/zero3.yaml").read_text())

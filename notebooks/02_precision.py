@@ -35,7 +35,8 @@
 # **What we look at.** (1) the loss curves at a rate where bf16 stalls; (2) what the two
 # "fixes" do; (3) the dtype of every stage, read from the live jobs, next to the seeds'
 # table; (4) how many weights each step really changes; (5) what the fp32 upcast costs in
-# memory; (6) which settings make the two backends identical, and one default that breaks it.
+# memory; (6) which settings make the two backends identical, which defaults break it, where
+# `helpers.compare` says two runs part, and whether that holds for ten model families.
 
 # %%
 import json
@@ -266,11 +267,49 @@ print("total bytes per parameter: " + ", ".join(f"{n} {t:.1f}" for n, t in total
 # ## 6 · Parity: when the two backends do the same arithmetic
 #
 # With the settings above, aligned FSDP and DeepSpeed ZeRO-3 produced the same loss, bit
-# for bit, at every step. It takes explicit choices: `gradient_clipping: 0.0` in the
-# DeepSpeed JSON (DeepSpeed clips at 1.0 when the key is absent), bf16 reductions on both
-# sides, and the same bf16-rounded starting weights.
+# for bit, at every step. It takes explicit choices; each of these **parity breakers** parts
+# the two runs when left to its default:
 #
-# One default left implicit is enough to break it: the same JSON without `gradient_clipping`.
+# * **Clipping.** DeepSpeed clips at 1.0 when `gradient_clipping` is absent; FSDP clips only
+#   when the script does. `zero3.json` says `0.0` (shown next).
+# * **ZeRO-3's linear.** With `zero_optimization.memory_efficient_linear` at its default
+#   (`true`), ZeRO-3 replaces `torch.nn.functional.linear`, for the whole process, with its own
+#   (`deepspeed/runtime/zero/linear.py`), which computes `input @ weight.T` in bf16 and then adds
+#   the bias, a second bf16 rounding; torch's linear adds the bias inside the matmul. Layers
+#   with biases (Qwen2's q/k/v projections, GPT-NeoX, StarCoder2) then part from FSDP from
+#   step 1 (biases start at zero, so step 0 agrees); bias-free Llama does not notice. The
+#   shipped `zero3*.json` set it to `false` (shown in "Ten model families" below).
+# * **Reductions and starting weights.** bf16 gradient reductions on both sides, and the same
+#   bf16-rounded weights (section 3; step 0 agrees in section 1).
+# * **The gradient norm's arithmetic**, which only clipping reads: FSDP's engine sums the
+#   per-shard norms in ZeRO-3's order; summed one by one they part in the last bit.
+# * **Gradient accumulation** agrees closely, not bitwise (the end of this section).
+#
+# The first two are settings a config carries; the check below reads them from the shipped
+# JSON and shows the two linears on one bf16 layer with a bias.
+
+# %%
+shipped = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
+assert shipped["gradient_clipping"] == 0.0 and shipped["zero_optimization"]["memory_efficient_linear"] is False
+import torch  # noqa: E402
+
+if not GPUS:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from deepspeed.runtime.zero.linear import zero3_linear_wrap  # noqa: E402
+
+g = torch.Generator().manual_seed(0)
+x, w = (torch.randn(2, 16, 64, generator=g).bfloat16(), torch.randn(32, 64, generator=g).bfloat16() / 8)
+lin_gap = {}
+for name, bias in (("zero bias", torch.zeros(32, dtype=torch.bfloat16)),
+                   ("bias", torch.randn(32, generator=g).bfloat16())):
+    ours, theirs = torch.nn.functional.linear(x, w, bias), zero3_linear_wrap(x, w, bias)
+    lin_gap[name] = int((ours != theirs).sum())
+assert lin_gap["zero bias"] == 0 and lin_gap["bias"] > 0, lin_gap
+print(f"torch's linear vs ZeRO-3's on a bf16 [2, 16, 64] x [64, 32] layer: outputs differing with a zero bias "
+      f"{lin_gap['zero bias']}, with a bias {lin_gap['bias']} of {2 * 16 * 32}")
+
+# %% [markdown]
+# One default left implicit is enough to break parity: the same JSON without `gradient_clipping`.
 
 # %%
 ds_json = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
@@ -323,10 +362,68 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 # runs part. The drift is small, because Adam divides out most of a uniform scaling of the
 # gradient, but it is still there at the last step: "identical" is gone. FSDP has no clipping in its config
 # (Accelerate passes `max_grad_norm` to the training loop); our FSDP engine clips with
-# DeepSpeed's formula, the global norm in fp64 over the local grad shards and the factor
-# `1 / max((norm + 1e-6) / max_norm, 1)` (`helpers/backends/fsdp.py`). The line above says
-# whether that matched DeepSpeed bit for bit here.
+# DeepSpeed's formula, the global norm in fp64 over the local grad shards, summed in ZeRO-3's
+# order, and the factor `1 / max((norm + 1e-6) / max_norm, 1)` (`helpers/backends/fsdp.py`).
+# The line above says whether that matched DeepSpeed bit for bit here.
 #
+# ### Where exactly do two runs part? `helpers.compare`
+#
+# A loss curve says *that* two runs differ. `python -m helpers.compare RUN_A RUN_B` says
+# where: the first step whose loss or gradient norm differs, bit for bit (exit status 1; 0
+# when identical). Jobs run with `--trace-tensors` also write, per step and per parameter, an
+# exact fingerprint and the dtype of the weight, the gradient before and after reduction, and
+# the update (`helpers/tensor_trace.py`); `compare` then names the first tensor that differs,
+# its stage and its dtype on each side. It is the tool to reach for when two backends
+# disagree. Two demos, `TRACE` steps each: the stalling pair of section 1 (bf16-only vs
+# aligned FSDP at lr `LR`), and the clipping breaker above (DeepSpeed's implicit clip vs
+# aligned FSDP at `LR_HIGH`).
+
+# %%
+TRACE = 3
+os.environ["TRACE"] = str(TRACE)
+
+# %% language="bash"
+# for mode in fsdp/full_shard_low_precision fsdp/full_shard; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$mode.yaml \
+#         --out notebooks/runs/02_trace_$(basename $mode) $ARGS --steps $TRACE --lr $LR --trace-tensors | tail -n 1
+# done
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/full_shard.yaml \
+#     --out notebooks/runs/02_trace_high $ARGS --steps $TRACE --lr $LR_HIGH --trace-tensors | tail -n 1
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config notebooks/runs/02_configs/zero3_implicit.yaml \
+#     --out notebooks/runs/02_trace_ds_implicit_clip $ARGS --steps $TRACE --lr $LR_HIGH --trace-tensors | tail -n 1
+# echo "--- the stalling pair"
+# python -m helpers.compare notebooks/runs/02_trace_full_shard_low_precision notebooks/runs/02_trace_full_shard
+# echo "exit status $?"
+# echo "--- DeepSpeed's implicit clipping"
+# python -m helpers.compare notebooks/runs/02_trace_high notebooks/runs/02_trace_ds_implicit_clip
+# echo "exit status $?"
+
+# %% [markdown]
+# **The stalling pair.** Same weights, same gradients, reduced alike; the first thing that
+# differs is step 0's *update*, stored in bf16 on one side and fp32 on the other, and far
+# fewer elements changed in bf16: the small updates bf16 rounds away. The losses part one
+# step later, at step 1. **The clipping breaker.** The weights and local gradients agree;
+# the first difference is step 0's reduced gradient as the optimizer reads it, both fp32:
+# DeepSpeed scaled it down (the norm above 1), FSDP did not.
+
+# %%
+from helpers import compare  # noqa: E402
+
+stall = compare.compare("notebooks/runs/02_trace_full_shard_low_precision", "notebooks/runs/02_trace_full_shard")
+t = stall.tensor
+assert stall.first_step == 1 and (t.step, t.stage, t.dtype_a, t.dtype_b) == (0, "update", "bf16", "fp32"), stall
+assert t.changed_a < t.changed_b / 2, (t.changed_a, t.changed_b)
+clip = compare.compare("notebooks/runs/02_trace_high", "notebooks/runs/02_trace_ds_implicit_clip")
+high = results.load_run("notebooks/runs/02_trace_high")
+first_clipped = int(high.metrics.loc[high.metrics["grad_norm"] > 1.0, "step"].min())
+c = clip.tensor
+assert (c.step, c.stage, c.dtype_a, c.dtype_b) == (first_clipped, "grad_reduced", "fp32", "fp32"), clip
+assert clip.first_step == first_clipped + 1, clip
+print(f"stalling pair: losses part at step {stall.first_step}; first tensor: step {t.step} {t.stage} of {t.param} "
+      f"({t.dtype_a} vs {t.dtype_b}), {t.changed_a} vs {t.changed_b} elements changed")
+print(f"implicit clipping: losses part at step {clip.first_step}; first tensor: step {c.step} {c.stage} "
+      f"({c.dtype_a} vs {c.dtype_b}), the first step with a norm above 1")
+
 # ### Gradient accumulation
 #
 # `--grad-accum 2` on both backends: DeepSpeed's `gradient_accumulation_steps` (filled from
@@ -337,15 +434,21 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 # %% language="bash"
 # for mode in fsdp/full_shard deepspeed/zero3; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$mode.yaml \
-#         --out notebooks/runs/02_accum_$(basename $mode) $ARGS --steps $SHORT --lr $LR_HIGH --grad-accum 2 | tail -n 1
+#         --out notebooks/runs/02_accum_$(basename $mode) $ARGS --steps $SHORT --lr $LR_HIGH --grad-accum 2 \
+#         --trace-tensors | tail -n 1
 # done
+# python -m helpers.compare notebooks/runs/02_accum_full_shard notebooks/runs/02_accum_zero3
 
 # %%
 acc_f, acc_d = results.load_runs("notebooks/runs/02_accum_full_shard", "notebooks/runs/02_accum_zero3")
 acc_gap = (acc_f.metrics["loss"] - acc_d.metrics["loss"]).abs()
 assert acc_f.summary["tokens_per_step"] == acc_d.summary["tokens_per_step"] == 2 * mixed.summary["tokens_per_step"]
 assert acc_gap.iloc[0] == 0 and 0 < acc_gap.max() < 1e-3, acc_gap.tolist()
-print(f"--grad-accum 2: same first step, then up to {acc_gap.max():.1e} apart over {SHORT} steps (not bitwise)")
+acc = compare.compare("notebooks/runs/02_accum_full_shard", "notebooks/runs/02_accum_zero3")
+assert (acc.tensor.step, acc.tensor.stage) == (0, "grad_reduced"), acc.report()  # local grads agree
+print(f"--grad-accum 2: same first loss, then up to {acc_gap.max():.1e} apart over {SHORT} steps (not bitwise); "
+      f"first differing tensor: step {acc.tensor.step} {acc.tensor.stage} "
+      f"({acc.tensor.differing} of {acc.tensor.total} parameters)")
 
 # %% [markdown]
 # Close, but not bit for bit, although nothing is clipped. The two backends add the same
@@ -354,6 +457,71 @@ print(f"--grad-accum 2: same first step, then up to {acc_gap.max():.1e} apart ov
 # `no_sync`): it reduces every micro-batch and adds the reduced shards in its gradient
 # buffer, which is bf16 unless the JSON says `"data_types": {"grad_accum_dtype": "fp32"}`.
 # Rounding bf16 sums in another order changes a few last bits, and training carries them on.
+# `compare` agrees: every micro-batch's local gradient is the same on both sides at step 0;
+# the first tensors that differ are the reduced gradients of that step.
+#
+# ### Ten model families
+#
+# Is parity a property of the tiny Llama only? `helpers.families` holds tiny configs
+# (`config.json`, what `--model` takes) of ten causal-LM families transformers builds from a
+# config, with and without biases, tied embeddings, grouped-query attention, fused
+# projections. It trains each `TRACE` steps under one launch config, with the job's own
+# model building, sharding, step and tensor trace, in one process group (ten jobs would pay
+# DeepSpeed's start-up ten times), and writes a run directory per family. We sweep the aligned
+# pair, then Qwen2 and Llama once more under `zero3.json` without
+# `memory_efficient_linear: false`, the default a user's own JSON has. (`GUIDE_SIZE=quick`
+# sweeps four families.)
+
+# %%
+from helpers.families import FAMILIES, KNOWN_EXCEPTIONS  # noqa: E402
+
+SWEEP = list(FAMILIES) if SIZE == "full" else ["llama", "qwen2", "gpt2", "gemma"]
+os.environ["SWEEP"] = ",".join(SWEEP)
+default_linear = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
+del default_linear["zero_optimization"]["memory_efficient_linear"]
+(cfg / "zero3_default_linear.json").write_text(json.dumps(default_linear, indent=2))
+(cfg / "zero3_default_linear.yaml").write_text(
+    "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: zero3_default_linear.json\n")
+
+# %% language="bash"
+# for mode in fsdp/full_shard deepspeed/zero3; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.families --config launch_configs/$mode.yaml \
+#         --out notebooks/runs/02_families_$(basename $mode) --steps $TRACE --families $SWEEP | tail -n 1
+# done
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.families --config notebooks/runs/02_configs/zero3_default_linear.yaml \
+#     --out notebooks/runs/02_families_default_linear --steps $TRACE --families llama,qwen2 | tail -n 1
+# python -m helpers.compare notebooks/runs/02_families_full_shard/qwen2 notebooks/runs/02_families_default_linear/qwen2
+
+# %%
+import pandas as pd  # noqa: E402
+
+rows = []
+for name in SWEEP:
+    r = compare.compare(f"notebooks/runs/02_families_full_shard/{name}", f"notebooks/runs/02_families_zero3/{name}")
+    rows.append({"family": name, "model_type": FAMILIES[name][0]["model_type"], "what it adds": FAMILIES[name][1],
+                 "bit-identical": r.identical and r.tensor is None,
+                 "known exception": KNOWN_EXCEPTIONS.get(name, "")})
+family_table = pd.DataFrame(rows).set_index("family")
+print(family_table.to_string())
+broken = [n for n, row in family_table.iterrows() if not row["bit-identical"] and n not in KNOWN_EXCEPTIONS]
+assert not broken, f"not identical and not a known exception: {broken}"
+qwen = compare.compare("notebooks/runs/02_families_full_shard/qwen2", "notebooks/runs/02_families_default_linear/qwen2")
+llama_default = compare.compare("notebooks/runs/02_families_full_shard/llama",
+                                "notebooks/runs/02_families_default_linear/llama")
+assert qwen.first_step == 1 and (qwen.tensor.step, qwen.tensor.stage) == (1, "grad_local"), qwen.report()
+assert llama_default.identical and llama_default.tensor is None, llama_default.report()  # no biases: unaffected
+print(f"Qwen2 under DeepSpeed's default linear: losses part at step {qwen.first_step}; first tensor: "
+      f"step {qwen.tensor.step} {qwen.tensor.stage} ({qwen.tensor.dtype_a} vs {qwen.tensor.dtype_b}); "
+      f"Llama under it: identical {llama_default.identical}")
+
+# %% [markdown]
+# Every family swept is bit-identical under the shipped aligned pair, every weight, gradient
+# and update included (the table; an exception would be listed there with its cause). Under
+# DeepSpeed's default linear, Qwen2 parts at step 1: at step 1 the weights are still identical,
+# and the first thing that differs is the local gradient, the sign of a forward or backward
+# computed differently, here the bias added in a second rounding, which only matters once the
+# zero-initialised biases have moved. Llama, without biases, stays identical under the same
+# default.
 #
 # ## Recap
 #
@@ -370,6 +538,9 @@ print(f"  fix 1, low precision at lr {LR_SCALED}: drop {d_scaled:.3f}; "
 print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.summary['losses']}; "
       f"DeepSpeed's implicit clip drifts up to {drift.max():.1e}; FSDP --grad-clip 1.0 matches it bitwise: {clip_identical}; "
       f"--grad-accum 2 differs by up to {acc_gap.max():.1e}")
+print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.dtype_b}); implicit clip -> "
+      f"step {c.step} {c.stage}; families bit-identical: {int(family_table['bit-identical'].sum())} of {len(SWEEP)}; "
+      f"Qwen2 with DeepSpeed's default linear parts at step {qwen.first_step}")
 
 # %% [markdown]
 # * At a small rate, the bf16-only FSDP mode stalls while aligned FSDP and DeepSpeed train:
@@ -379,9 +550,13 @@ print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.
 # * The dtypes read from the live jobs confirm the seeds' table for what the optimizer
 #   updates and its states, and add what the table leaves out: DeepSpeed's bf16 shard,
 #   bf16 gradient reductions.
-# * Aligned FSDP and DeepSpeed are identical step for step; a DeepSpeed default left
-#   implicit (clipping at 1.0) is enough to make them drift. Gradient accumulation agrees
-#   closely but not bitwise: the backends reduce and accumulate in a different order.
+# * Aligned FSDP and DeepSpeed are identical step for step, for every model family swept; a
+#   DeepSpeed default left implicit (clipping at 1.0, ZeRO-3's own linear for biased layers) is
+#   enough to make them drift. Gradient accumulation agrees closely but not bitwise: the
+#   backends reduce and accumulate in a different order.
+# * `python -m helpers.compare` names the first step, and with `--trace-tensors` the first
+#   tensor, stage and dtypes, where two runs part: the bf16 update of the stalling pair, the
+#   clipped gradient of the implicit default.
 
 # %% [markdown]
 # ## Optional: try other settings

@@ -71,7 +71,7 @@ def test_round_trip_every_shipped_config(path, tmp_path):
 def test_exact_translation_is_what_mapping_says():
     t = translate(str(REPO / "launch_configs/fsdp/full_shard.yaml"), "deepspeed")
     assert t.exact, t.warnings
-    assert t.json["zero_optimization"] == {"stage": 3}
+    assert t.json["zero_optimization"] == {"stage": 3, "memory_efficient_linear": False}  # torch's F.linear
     assert t.json["bf16"] == {"enabled": True}
     assert t.json["gradient_clipping"] == "auto"  # a missing key would make DeepSpeed clip at 1.0
     back = translate(str(REPO / "launch_configs/deepspeed/zero3.yaml"), "fsdp")
@@ -229,3 +229,14 @@ def test_exact_translation_trains_identically(path, tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         losses[name] = summary(tmp_path / name)["losses"]
     assert losses["fsdp"] == losses["ds"]
+
+
+def test_zero3_memory_efficient_linear_left_on_is_named(tmp_path):
+    """DeepSpeed's default swaps torch's F.linear (bias added in a second rounding): warned both ways."""
+    js = {"bf16": {"enabled": True}, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}
+    cfg = write(tmp_path, DS_HEAD + "  deepspeed_config_file: ds.json\n", js)
+    t = translate(cfg, "fsdp")
+    assert not t.exact and any("memory_efficient_linear" in w and "biases" in w for w in t.warnings), t.warnings
+    assert any("memory_efficient_linear" in n for n in load_job_config(cfg).notes)
+    for shipped in sorted((REPO / "launch_configs/deepspeed").glob("zero3*.json")):
+        assert json.loads(shipped.read_text())["zero_optimization"]["memory_efficient_linear"] is False, shipped

@@ -132,15 +132,19 @@ class FSDPEngine:
         return total / n, float(norm)
 
     def _grad_norm(self) -> torch.Tensor:
-        """Global L2 norm in fp64 over the local grad shards, as DeepSpeed computes it."""
+        """Global L2 norm in fp64 over the local grad shards, in DeepSpeed ZeRO-3's arithmetic.
+
+        ``get_grad_norm_direct``: one fp64 norm per local shard, stacked, squared and summed with
+        ``torch.sum``, all-reduced, raised to 1/2, then ``combine_grad_norm_groups`` (a vector norm
+        over the one group). Summing the squares one by one instead parts in the last bit.
+        """
         params = [p for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
-        for p in params:
-            sq += p.grad.to_local().double().norm(2) ** 2
+        norms = torch.stack([p.grad.to_local().double().norm(2) for p in params])
+        sq = torch.sum(torch.pow(norms, 2.0))
         shard_dim = self.mesh["shard"] if self.mesh.ndim > 1 else self.mesh
         if shard_dim.size() > 1:  # on the host under CPU offload: comm moves it to the group's device
             comm.all_reduce(sq, group=shard_dim.get_group())
-        return sq.sqrt()
+        return torch.linalg.vector_norm(torch.stack([sq ** (1.0 / 2.0)]), ord=2.0)
 
     def _clip(self, norm: torch.Tensor) -> None:
         # DeepSpeed's formula: scale = max((norm + 1e-6) / max_norm, 1), grads *= 1/scale

@@ -1,0 +1,189 @@
+"""Where do two runs part? ``python -m helpers.compare RUN_A RUN_B``
+
+Reads two run directories (``--out`` of two jobs) and compares, step by step, the loss and
+the gradient norm bit for bit. Exit status 0: identical at every step; 1: they differ, and
+the first line says where::
+
+    first difference: step 1 loss 6.144670963287354 vs 6.144979476928711, grad_norm ... vs ...
+
+When both jobs ran with ``--trace-tensors`` (helpers.tensor_trace) it also names the first
+tensor that differs: the earliest step, then the earliest stage of that step (weight, local
+gradient, reduced gradient, update), then the first parameter in model order, with its dtype
+on each side. A difference in the tensors usually shows up a step before the losses do (an
+update at step K changes the loss of step K+1). Exit status 2: bad input (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRACE_FILE = "tensor_trace.jsonl"  # written by helpers.tensor_trace (--trace-tensors)
+STAGES = ("weight", "grad_local", "grad_reduced", "update")  # in the order a step produces them
+
+
+class CompareError(ValueError):
+    """A run directory compare cannot read; the message names it and why."""
+
+
+@dataclass
+class TensorDiff:
+    step: int
+    stage: str
+    param: str
+    dtype_a: str | None
+    dtype_b: str | None
+    differing: int  # parameters that differ at this step and stage
+    total: int
+    changed_a: int | None = None  # update stage: elements the step changed, each side
+    changed_b: int | None = None
+
+    def line(self) -> str:
+        more = f" (and {self.differing - 1} more of {self.total} parameters)" if self.differing > 1 else ""
+        changed = (f"; elements changed {self.changed_a} vs {self.changed_b}"
+                   if self.stage == "update" else "")
+        return (f"first differing tensor: step {self.step} {self.stage} of {self.param}: "
+                f"{self.dtype_a} vs {self.dtype_b}{more}{changed}\n  {HINTS.get(self.stage, '')}").rstrip()
+
+
+HINTS = {  # what a first difference at each stage says about where the two runs part
+    "weight": "the weights differ before any gradient: a different start (seed, loading, dtype rounding)",
+    "grad_local": "same weights, different local gradients: the forward/backward arithmetic differs "
+                  "(kernels, dtypes, a patched op) or the data does",
+    "grad_reduced": "same local gradients, different reduced ones: the reduction (dtype, order, averaging) "
+                    "or clipping differs",
+    "update": "same gradients, different updates: the optimizer step differs (its dtype, hyperparameters, "
+              "or a bf16 weight that rounds a small update away)",
+}
+
+
+@dataclass
+class Comparison:
+    a: Path
+    b: Path
+    steps: int  # steps compared (present in both)
+    first_step: int | None = None  # first step whose loss or grad norm differs (None: identical)
+    values: dict = field(default_factory=dict)  # {"loss": (a, b), "grad_norm": (a, b)} at first_step
+    length: tuple[int, int] | None = None  # (steps in A, steps in B) when they differ
+    tensor: TensorDiff | None = None  # first differing tensor, when both runs have traces
+    traced: tuple[bool, bool] = (False, False)
+
+    @property
+    def identical(self) -> bool:
+        return self.first_step is None and self.length is None
+
+    def report(self) -> str:
+        lines = []
+        if self.first_step is not None:
+            vals = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in self.values.items())
+            lines.append(f"first difference: step {self.first_step} {vals}")
+        elif self.length is not None:
+            lines.append(f"first difference: step {self.steps}: A ran {self.length[0]} steps, B {self.length[1]}")
+        else:
+            lines.append(f"identical: {self.steps} steps, losses and grad norms bit for bit")
+        if self.tensor is not None:
+            lines.append(self.tensor.line())
+        elif all(self.traced):
+            lines.append("tensor traces: every weight, gradient and update identical")
+        else:
+            missing = " and ".join(str(p) for p, t in zip((self.a, self.b), self.traced, strict=True) if not t)
+            lines.append(f"no tensor trace in {missing}: run both jobs with --trace-tensors to name the tensor")
+        return "\n".join(lines)
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True
+    return x == y
+
+
+def _read_jsonl(path: Path, what: str) -> list[dict]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise CompareError(f"{path}: cannot read {what}: {e}") from None
+
+
+def _steps(run: Path) -> dict[int, dict]:
+    if not run.is_dir():
+        raise CompareError(f"{run}: no such run directory")
+    summary = run / "summary.json"
+    if not summary.is_file():
+        raise CompareError(f"{run}: not a finished run directory (no summary.json)")
+    try:
+        status = json.loads(summary.read_text()).get("status")
+    except json.JSONDecodeError as e:
+        raise CompareError(f"{summary}: not JSON: {e}") from None
+    if status != "completed":
+        raise CompareError(f"{run}: status = {status!r} in summary.json; compare reads completed runs")
+    rows = _read_jsonl(run / "metrics.jsonl", "metrics.jsonl")
+    if not rows:
+        raise CompareError(f"{run}: metrics.jsonl has no steps")
+    return {r["step"]: r for r in rows}
+
+
+def first_tensor_diff(a: Path, b: Path, steps: list[int]) -> TensorDiff | None:
+    """The first (step, stage, parameter) whose fingerprint differs in the two traces."""
+    ta = {r["step"]: r["params"] for r in _read_jsonl(a / TRACE_FILE, TRACE_FILE)}
+    tb = {r["step"]: r["params"] for r in _read_jsonl(b / TRACE_FILE, TRACE_FILE)}
+    for step in steps:
+        pa, pb = ta.get(step), tb.get(step)
+        if pa is None or pb is None:
+            continue
+        if list(pa) != list(pb):
+            only = sorted(set(pa) ^ set(pb))
+            name = only[0] if only else next(x for x, y in zip(pa, pb, strict=False) if x != y)
+            side = "A" if name in pa else "B"
+            return TensorDiff(step, f"parameter set (only in {side})", name, None, None, len(only) or 1, len(pa))
+        for stage in STAGES:
+            diff = [n for n in pa if pa[n][stage][0] != pb[n][stage][0]]
+            if diff:
+                ra, rb = pa[diff[0]][stage], pb[diff[0]][stage]
+                ca, cb = (ra[2], rb[2]) if stage == "update" else (None, None)
+                return TensorDiff(step, stage, diff[0], ra[1], rb[1], len(diff), len(pa), ca, cb)
+    return None
+
+
+def compare(a: str | Path, b: str | Path) -> Comparison:
+    """Compare two run directories (raises CompareError on bad input)."""
+    a, b = Path(a), Path(b)
+    sa, sb = _steps(a), _steps(b)
+    common = sorted(set(sa) & set(sb))
+    if not common:
+        raise CompareError(f"{a} (steps {min(sa)}..{max(sa)}) and {b} (steps {min(sb)}..{max(sb)}) share no step")
+    out = Comparison(a, b, len(common))
+    for step in common:
+        ra, rb = sa[step], sb[step]
+        if not all(_same(ra[k], rb[k]) for k in ("loss", "grad_norm")):
+            out.first_step = step
+            out.values = {k: (ra[k], rb[k]) for k in ("loss", "grad_norm")}
+            break
+    if out.first_step is None and len(sa) != len(sb):
+        out.length = (len(sa), len(sb))
+    out.traced = ((a / TRACE_FILE).is_file(), (b / TRACE_FILE).is_file())
+    if all(out.traced):
+        out.tensor = first_tensor_diff(a, b, common)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m helpers.compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_a")
+    ap.add_argument("run_b")
+    ap.error = lambda msg: ap.exit(2, f"error: {msg} (see python -m helpers.compare --help)\n")
+    args = ap.parse_args(argv)
+    try:
+        result = compare(args.run_a, args.run_b)
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.report())
+    return 0 if result.identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

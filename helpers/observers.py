@@ -123,13 +123,15 @@ def default_observers(s: JobState) -> Observers:
 class Throughput(Observer):
     """Device peak (logged at start), FLOPs per token, and the summary's MFU keys (helpers.throughput)."""
 
+    def __init__(self):
+        self.keys: dict = {}
+
     def on_load_begin(self, s):
         from .throughput import compute_dtype, device_peak, fmt_flops
 
         self.peak, self.source = device_peak(s.device, compute_dtype(s.job), s.args.peak_tflops)
         s.run.log(f"peak {fmt_flops(self.peak)} per device ({self.source})" if self.peak
                   else f"note: no MFU: {self.source}")
-        self.keys: dict = {}
 
     def on_model_built(self, s):
         from .throughput import flops_per_token
@@ -144,7 +146,7 @@ class Throughput(Observer):
         self.keys = summary_keys(self.flops, tps, self.peak, self.source)
 
     def summary(self, s):
-        return getattr(self, "keys", {})
+        return self.keys  # once the loop is over
 
 
 class Loading(Observer):
@@ -318,7 +320,7 @@ class Profiler(Observer):
     """``--profile``: a torch.profiler trace of a few steps per rank (helpers.profiling)."""
 
     def __init__(self):
-        self.prof, self.steps = None, None
+        self.prof, self.steps, self.done = None, None, False
 
     def on_train_begin(self, s):
         from .profiling import StepProfiler
@@ -333,7 +335,7 @@ class Profiler(Observer):
         self.done = True
 
     def summary(self, s):
-        return {"profiled_steps": self.steps} if getattr(self, "done", False) else {}
+        return {"profiled_steps": self.steps} if self.done else {}
 
 
 class Checkpoints(Observer):

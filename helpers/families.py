@@ -70,7 +70,7 @@ def sweep(config: str, out: str, steps: int, names: list[str]) -> None:
     from .metrics import RunDir
     from .models import build_model, resolve_model, synthetic_batch
     from .tensor_trace import TensorTracer
-    from .train import apply_backend
+    from .train import apply_backend, sum_over_ranks
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -94,11 +94,11 @@ def sweep(config: str, out: str, steps: int, names: list[str]) -> None:
             tracer.on_step_begin(step)
             ids = synthetic_batch(step, seed=t.seed, rank=rank, world_size=world, micro_batch=t.micro_batch,
                                   seq_len=t.seq_len, vocab_size=model.config.vocab_size).to(device)
-            loss, grad_norm = engine.train_step([ids])
+            loss = engine.train_step([ids])
             tracer.on_step_end(step)
-            dist.all_reduce(loss)
-            losses.append(loss.item() / world)
-            run.step({"step": step, "loss": losses[-1], "grad_norm": grad_norm})
+            sums = sum_over_ranks({"loss": loss, **engine.step_sums()}, device)  # as helpers.train sums a step
+            losses.append(sums["loss"] / world)
+            run.step({"step": step, "loss": losses[-1], "grad_norm": engine.grad_norm(sums)})
         tracer.on_train_end()
         run.log(f"{name}: losses {losses}")
         run.finish({"status": "completed", "backend": job.backend, "config": config, "model": str(path),

@@ -40,15 +40,15 @@ WARMUP_STEPS = 2  # steps left out of the summary's step time (see SUMMARY_KEYS[
 
 STEP_KEYS = {
     "step": "optimizer step, from 0",
-    "loss": "causal-LM loss, mean over the step's micro-batches and over ranks",
+    "loss": "causal-LM loss, mean over the step's micro-batches and over ranks (ranks summed in fp64)",
     "grad_norm": "global L2 norm of the gradients before clipping (fp64, like DeepSpeed)",
     "lr": "learning rate used for the step",
     "step_time_s": "wall time of the step on rank 0 (forward, backward, optimizer)",
     "tokens_per_s": "tokens one rank processed per second in this step",
     "updated_fraction": "share of parameter elements the optimizer step changed, in the tensor it updates "
                         "(FSDP: the shard; DeepSpeed: the fp32 master); all ranks' local shards, summed "
-                        "(helpers.precision.UpdateTracker); null above 50M params, for DeepSpeed ZeRO 0-2 "
-                        "and with the optimizer on NVMe",
+                        "(helpers.precision.UpdateTracker); null without --track-updates (log.txt says so), "
+                        "above 50M params, for DeepSpeed ZeRO 0-2 and with the optimizer on NVMe",
     "updated_fraction_compute": "the same, for the values rounded to the compute dtype (what forward uses)",
     "elapsed_s": "seconds from process start to the end of this step on rank 0; its differences are the whole "
                  "loop's time per step, the harness's own work between steps included (benchmarks/overhead.py)",

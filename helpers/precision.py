@@ -29,7 +29,8 @@ Two probes, both run inside ``helpers.train`` on every rank (rank 0 writes):
     parameter elements whose value changed in the optimizer step, counted over every
     rank's local shard (all ranks summed, padding excluded), for the tensor the optimizer
     updates and for the same values rounded to the compute dtype. It keeps a copy of the
-    shards, so above ``UpdateTracker.MAX_PARAMS`` parameters (and for DeepSpeed stages
+    shards, so it is opt-in (``helpers.train --track-updates``; only the precision notebook
+    reads it), and above ``UpdateTracker.MAX_PARAMS`` parameters (and for DeepSpeed stages
     below 3) it records ``None``.
 """
 
@@ -186,6 +187,13 @@ class UpdateTracker:
         zero3 = engine.backend == "fsdp" or hasattr(next(engine.module.parameters()), "ds_tensor")
         swapped = engine.backend == "deepspeed" and getattr(engine.engine.optimizer, "swap_optimizer", False)
         self.enabled = num_params <= self.MAX_PARAMS and zero3 and not swapped  # NVMe: the master is on disk
+        self.why_not = None  # the reason it is off, for the job's log
+        if num_params > self.MAX_PARAMS:
+            self.why_not = f"{num_params / 1e6:.0f}M params, above {self.MAX_PARAMS / 1e6:.0f}M (it copies every shard)"
+        elif not zero3:
+            self.why_not = "DeepSpeed ZeRO 0-2 keeps no per-parameter shards to compare"
+        elif swapped:
+            self.why_not = "the optimizer's fp32 master is on NVMe during the step"
         self._before: list | None = None
         self._buffers: list | None = None
 
@@ -214,10 +222,9 @@ class UpdateTracker:
             buf.copy_(t)
         self._before = self._buffers
 
-    def after(self) -> dict:
-        """The fractions for the step just taken (every rank calls this: it all-reduces)."""
-        if not self.enabled:
-            return {"updated_fraction": None, "updated_fraction_compute": None}
+    def counts(self) -> torch.Tensor:
+        """This rank's [changed, changed in the compute dtype, elements] for the step just taken (fp64;
+        no collective: helpers.train sums them over ranks with the step's other numbers)."""
         counts = torch.zeros(3, dtype=torch.float64)
         for old, (new, dtype) in zip(self._before, self._shards(), strict=True):
             # count_nonzero: several times faster than summing a bool tensor (which widens it to int64)
@@ -225,9 +232,16 @@ class UpdateTracker:
             counts[0] += changed
             counts[1] += changed if dtype == new.dtype else torch.count_nonzero(new.to(dtype) != old.to(dtype)).item()
             counts[2] += new.numel()
+        self._before = None
+        return counts
+
+    def after(self) -> dict:
+        """The fractions for the step just taken (every rank calls this: it all-reduces)."""
+        if not self.enabled:
+            return {"updated_fraction": None, "updated_fraction_compute": None}
+        counts = self.counts()
         if dist.is_initialized() and dist.get_world_size() > 1:
             comm.all_reduce(counts)  # a CPU tensor (the shards may be on the host too, under offload)
-        self._before = None
         return {"updated_fraction": float(counts[0] / counts[2]),
                 "updated_fraction_compute": float(counts[1] / counts[2])}
 

@@ -8,6 +8,12 @@ also ``python -m helpers.train ...`` (one rank, no launcher) and
 rendezvous). ``RANK``/``WORLD_SIZE`` from the launcher decide who does what;
 only rank 0 prints and writes the run directory (see helpers.metrics).
 
+``main`` is the job's phases, one function each: validate -> start -> connect ->
+build (and load) -> wrap (the backend) -> restore (``--resume``) -> the loop ->
+summarise -> finish. Every measurement (memory, dtypes, updates, loading, profiler,
+progress, checkpoints, throughput) is an observer called around them
+(helpers.observers); each step sums its numbers over ranks in one all-reduce.
+
 Picks gloo + CPU (and ``DS_ACCELERATOR=cpu``) when no GPU is visible, nccl +
 CUDA when one is. A bad config, override or ``--out`` exits with status 2 and
 one ``error:`` line from rank 0, before any process group exists. A rank that
@@ -18,17 +24,27 @@ rank 0 naming the rank, and a failed ``summary.json`` (see helpers.guard).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from importlib import metadata
+from typing import TYPE_CHECKING
 
 from .throughput import positive_tflops
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import JobConfig
+    from .guard import JobGuard
+    from .metrics import RunDir
+    from .models import ModelSpec
+    from .observers import Observers
 
 T0 = time.perf_counter()
 
@@ -66,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.checkpoint)")
     ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
     ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")
+    ap.add_argument("--track-updates", action="store_true", help="updated_fraction per step in metrics.jsonl "
+                    "(helpers.precision.UpdateTracker: copies every shard each step; null without it)")
     return ap.parse_args(argv)
 
 
@@ -109,28 +127,107 @@ def versions() -> dict:
     return out
 
 
+OVERRIDES = ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip", "timeout",
+             "model_dtype", "compile")  # the flags that override the launch config (helpers.config)
+
+
+@dataclass
+class JobState:
+    """What the phases and the observers share, one per rank (see helpers.observers)."""
+
+    args: argparse.Namespace
+    job: JobConfig
+    spec: ModelSpec
+    rank: int
+    world_size: int
+    guard: JobGuard
+    run: RunDir  # writes only on rank 0
+    resolved: dict  # the config as it runs (config.json)
+    ds_filled: list[str]  # DeepSpeed "auto" values the job filled
+    resume_meta: dict | None  # --resume: the checkpoint's meta.json
+    device: torch.device | None = None
+    observers: Observers | None = None
+    summary: dict = field(default_factory=dict)  # summary.json, filled as the job goes
+    records: list[dict] = field(default_factory=list)  # the metrics.jsonl rows
+    model: torch.nn.Module | None = None
+    engine: object = None  # FSDPEngine or DeepSpeedEngine (helpers.backends)
+    resume_state: dict | None = None  # DeepSpeed --resume: state read before the backend
+    start_step: int = 0
+    probe: object = None  # helpers.memory.StepProbe for the step about to run, or None
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl" if self.use_cuda else "gloo"
+
+    @property
+    def tokens_per_rank_step(self) -> int:
+        t = self.job.train
+        return t.micro_batch * t.grad_accum * t.seq_len
+
+    @property
+    def probe_step(self) -> int:
+        """The step the memory and dtype probes read (step 1: Adam's states exist)."""
+        return self.start_step + min(1, self.job.train.steps - self.start_step - 1)
+
+    @property
+    def load_method(self) -> str | None:
+        """How --model DIR is loaded (helpers.loading); None for random init."""
+        from .loading import method_for
+
+        return method_for(self.job) if self.spec.kind == "pretrained" else None
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        import torch
+
+        return torch.bfloat16 if self.job.train.model_dtype == "bf16" else torch.float32
+
+
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    s = validate(parse_args(argv))  # bad input: one line, exit 2, before anything starts
+    start(s)  # from here on, a failure on any rank ends the job with status 1 and a failed summary
+    obs = s.observers
+    try:
+        connect(s)  # process group(s), run directory, the first log lines
+        obs.on_load_begin(s)
+        build(s)  # the model: random init, or --model DIR the way the config loads it
+        obs.on_model_built(s)
+        wrap(s)  # the backend: FSDP2 fully_shard or deepspeed.initialize
+        obs.on_engine_ready(s)
+        restore(s)  # --resume: model, optimizer, data position, RNG
+        obs.on_train_begin(s)
+        train_loop(s)
+        obs.on_train_end(s)
+        summarise(s)
+    except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
+        obs.close(s)
+        s.guard.fail(e)
+    finish(s)
+    return 0
+
+
+def validate(args: argparse.Namespace) -> JobState:
+    """Every input checked before any process group or file exists; bad input exits 2 (fail_config)."""
     if args.profile:
         from .profiling import quiet_cpp_warnings
 
         quiet_cpp_warnings()  # before torch is imported
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
-
-    # ---- validate everything before any process group or file exists
     from .config import load_job_config
     from .guard import JobGuard
+    from .metrics import RunDir
 
-    overrides = {k: getattr(args, k) for k in ("model", "steps", "lr", "seed", "micro_batch", "seq_len",
-                                               "grad_accum", "grad_clip", "timeout", "model_dtype", "compile")}
     try:
-        job = load_job_config(args.config, overrides, world_size=world_size)
+        job = load_job_config(args.config, {k: getattr(args, k) for k in OVERRIDES}, world_size=world_size)
         from .comm import check_local_device
         from .models import model_config, resolve_model  # imports torch: after the quick checks
 
         spec = resolve_model(job.train.model)
-        check_local_device(local_rank)  # a GPU node: one GPU per rank
+        check_local_device(_env_int("LOCAL_RANK", 0))  # a GPU node: one GPU per rank
         if spec.kind != "preset":
             model_config(spec)  # a config.json that transformers cannot read is bad input too
         from .offload import prepare
@@ -146,251 +243,204 @@ def main(argv=None) -> int:
             guard.claim()  # --out: not a file, not another job's, not someone's directory
     except ValueError as e:  # ConfigError, ModelSpecError, OutDirError, a bad GUIDE_FAIL_* test hook
         fail_config(rank, str(e))
+    return JobState(args, job, spec, rank, world_size, guard, RunDir(args.out, active=rank == 0), resolved,
+                    ds_filled, resume_meta)
 
-    if rank != 0:  # only rank 0 prints; errors still reach stderr
+
+def start(s: JobState) -> None:
+    """Only rank 0 prints; the device (nccl + CUDA when a GPU is visible, else gloo + CPU); the observers;
+    the guard (watchdog, SIGTERM, the failed summary)."""
+    if s.rank != 0:  # only rank 0 prints; errors still reach stderr
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
     warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed warns per gloo collective
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
     import torch
 
-    use_cuda = torch.cuda.is_available()
-    if not use_cuda:
+    if torch.cuda.is_available():
+        s.device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(s.device)
+    else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist_backend = "nccl" if use_cuda else "gloo"
+        s.device = torch.device("cpu")
+    from .observers import default_observers
+
+    s.observers = default_observers(s)
+    s.summary = base_summary(s)
+    s.guard.start(partial(write_failed, s))
+
+
+def connect(s: JobState) -> None:
+    """The process group (DeepSpeed's too), the run directory with config.json, the job's first log lines."""
+    import torch.distributed as dist
+
     launched = "MASTER_ADDR" in os.environ
     if not launched:  # plain `python -m helpers.train`: a world of one, no port opened
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     _loopback_gloo()
-
-    import torch.distributed as dist
-
-    from .memory import PeakMemory, StepProbe
-    from .metrics import RunDir, Timer, summarize_steps
-    from .models import build_model, count_params, synthetic_batch
-    from .offload import state_locations
-    from .precision import DtypeProbe, UpdateTracker
-    from .profiling import StepProfiler
-    from .progress import Progress
-    from .tensor_trace import TensorTracer
-    from .throughput import compute_dtype, device_peak, flops_per_token, fmt_flops, summary_keys
-
-    run = RunDir(args.out, active=rank == 0)
-    records: list[dict] = []
-    summary = {
-        "status": "failed", "reason": None, "failed_rank": None, "backend": job.backend,
-        "config": args.config, "mode": mode_name(job), "mixed_precision": job.mixed_precision,
-        "world_size": world_size, "num_nodes": _env_int("GROUP_WORLD_SIZE", 1) if "GROUP_WORLD_SIZE"
-        in os.environ else max(1, world_size // _env_int("LOCAL_WORLD_SIZE", world_size)),
-        "model": job.train.model, "num_params": None, "steps": 0,
-        "tokens_per_step": job.train.micro_batch * job.train.grad_accum * job.train.seq_len * world_size,
-        "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-        "dist_backend": dist_backend, "versions": versions(), "checkpoints": [], "resumed_from": None, "loading": None,
-    }
-
-    def write_failed(failed_rank, reason, message):  # rank 0, called by the guard exactly once
-        done = list(records)
-        summary.update(status="failed", reason=reason, failed_rank=failed_rank, steps=len(done),
-                       **summarize_steps(done, tokens_per_rank_step) if done else {})
-        run.log(message, echo=False)
-        _finish(run, summary)
-
-    tokens_per_rank_step = job.train.micro_batch * job.train.grad_accum * job.train.seq_len
-    guard.start(write_failed)
     # the watchdog (--timeout without a finished step) ends a hang and says so; the process-group timeout
     # is a little longer, so a stuck collective is reported as the hang it is, not as a gloo/nccl error
-    timeout = timedelta(seconds=job.train.timeout + 30)
-    try:
-        store = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(dist_backend, device_id=device if use_cuda else None, timeout=timeout, **store)
-        guard.connect()
-        if job.backend == "deepspeed":
-            if not use_cuda:  # a build lock left by an interrupted build would make every rank wait for ever
-                from .warmup import clear_stale_locks
+    timeout = timedelta(seconds=s.job.train.timeout + 30)
+    store = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(s.dist_backend, device_id=s.device if s.use_cuda else None, timeout=timeout, **store)
+    s.guard.connect()
+    job = s.job
+    if job.backend == "deepspeed":
+        if not s.use_cuda:  # a build lock left by an interrupted build would make every rank wait for ever
+            from .warmup import clear_stale_locks
 
-                job.notes += clear_stale_locks()  # logged with the other notes below
-            import deepspeed
+            job.notes += clear_stale_locks()  # logged with the other notes below
+        import deepspeed
 
-            _quiet_deepspeed(rank)
-            deepspeed.init_distributed(dist_backend=dist_backend, timeout=timeout)
-        run.start({**resolved, "world_size": world_size, "device": summary["device"],
-                   "dist_backend": dist_backend, "out": args.out})
-        run.log(f"[{job.backend}] {summary['mode']} mixed_precision={job.mixed_precision} "
-                f"world_size={world_size} device={summary['device']} ({dist_backend})")
-        for note in job.notes + ([f"filled DeepSpeed 'auto': {', '.join(ds_filled)}"] if ds_filled else []):
-            run.log(f"note: {note}")
-        peak_flops, peak_source = device_peak(device, compute_dtype(job), args.peak_tflops)
-        run.log(f"peak {fmt_flops(peak_flops)} per device ({peak_source})" if peak_flops
-                else f"note: no MFU: {peak_source}")
+        _quiet_deepspeed(s.rank)
+        deepspeed.init_distributed(dist_backend=s.dist_backend, timeout=timeout)
+    device = s.summary["device"]
+    s.run.start({**s.resolved, "world_size": s.world_size, "device": device, "dist_backend": s.dist_backend,
+                 "out": s.args.out})
+    s.run.log(f"[{job.backend}] {s.summary['mode']} mixed_precision={job.mixed_precision} "
+              f"world_size={s.world_size} device={device} ({s.dist_backend})")
+    for note in job.notes + ([f"filled DeepSpeed 'auto': {', '.join(s.ds_filled)}"] if s.ds_filled else []):
+        s.run.log(f"note: {note}")
 
-        t = job.train
-        dtype = torch.bfloat16 if t.model_dtype == "bf16" else torch.float32
-        from . import loading
 
-        method = loading.method_for(job) if spec.kind == "pretrained" else None
-        monitor = loading.LoadMonitor() if method else None
-        if monitor:
-            dist.barrier()
-            monitor.__enter__()
-        if method == "fsdp_ram_efficient":
-            model = loading.meta_model(spec, dtype)
-        elif method == "zero3_init":  # partitioned as it loads: the load ends here (initialize adds the optimizer)
-            model = loading.zero3_model(spec, dtype, resolved["deepspeed"]["json"])
-            monitor.__exit__(None, None, None)
-        else:
-            model = build_model(spec, dtype=dtype, seed=t.seed)
-        summary["num_params"] = count_params(model)
-        flops = flops_per_token(model, t.seq_len)
-        peak = PeakMemory(device)
-        model.register_forward_hook(peak.sample)  # activations are all alive at the end of forward
-        dtypes = DtypeProbe(model)  # before the backend: sees the dtype the model was loaded in
-        from . import checkpoint as ckpt
+def build(s: JobState) -> None:
+    """The model in the --model-dtype dtype: random init (a preset or config.json), or --model DIR loaded
+    the way the config says (helpers.loading: every rank whole, on the meta device, or in ZeRO-3 Init)."""
+    from . import loading
+    from .models import build_model, count_params
 
-        resume_state = ckpt.before_backend(model, resume_meta, args.resume) \
-            if resume_meta and job.backend == "deepspeed" else None
-        engine = apply_backend(model, job, device)
-        if method == "fsdp_ram_efficient":
-            loading.fsdp_fill(engine, spec, dtype, device)
-        if monitor:
-            if method != "zero3_init":
-                monitor.__exit__(None, None, None)
-            summary["loading"] = {"method": method, "path": spec.path, "ranks": gather(monitor.result),
-                                  "weights_match": loading.weights_match(engine, spec, dtype)}
-            run.log(f"loaded {spec.path} ({method}): {monitor.seconds:.2f} s, peak RssAnon "
-                    f"+{monitor.result['peak_rss_anon_bytes'] / 2**20:.0f} MiB on rank 0, weights match the file: "
-                    f"{summary['loading']['weights_match']}")
-        start = 0
-        if resume_meta:
-            start = ckpt.restore(engine, resume_meta, args.resume, resume_state)
-            del resume_state
-            summary["resumed_from"] = {"path": args.resume, "step": start, "format": resume_meta["format"],
-                                       "backend": resume_meta["backend"]}
-            run.log(f"resumed from {args.resume} ({resume_meta['format']}, {resume_meta['backend']}, "
-                    f"{resume_meta['world_size']} ranks) at step {start}")
-        ckpt_extra = {"param_shapes": ckpt.param_shapes(engine.module),
-                      "model_config": json.loads(model.config.to_json_string())}
-        dtypes.attach(engine)
-        updates = UpdateTracker(engine, summary["num_params"])
-        locate = partial(state_locations, accelerator=use_cuda, rank=rank,
-                         ds_json=job.deepspeed.json if job.deepspeed else None)
-        probe_step, probe = start + min(1, t.steps - start - 1), StepProbe(model, locate)  # step 1: Adam's states exist
-        vocab = model.config.vocab_size
-        run.log(f"model {t.model}: {summary['num_params'] / 1e6:.2f}M params; "
-                f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
+    if s.load_method == "fsdp_ram_efficient":
+        s.model = loading.meta_model(s.spec, s.model_dtype)  # filled by wrap, once sharded
+    elif s.load_method == "zero3_init":
+        s.model = loading.zero3_model(s.spec, s.model_dtype, s.resolved["deepspeed"]["json"])
+    else:
+        s.model = build_model(s.spec, dtype=s.model_dtype, seed=s.job.train.seed)
+    s.summary["num_params"] = count_params(s.model)
 
-        peak.end_setup()  # the GPU allocator's peak counts training from here (set-up: setup_peak_memory_bytes)
-        profiler = StepProfiler(args.out, rank, enabled=args.profile, use_cuda=use_cuda)
-        tracer = TensorTracer(args.out, rank, world_size) if args.trace_tensors else None
-        if tracer:
-            tracer.on_train_begin(engine)
-        every = max(1, t.steps // 10)
-        bar = Progress(t.steps, active=rank == 0, initial=start)
-        for step in range(start, t.steps):
-            guard.fault_hook(step)  # GUIDE_FAIL_* test hooks; nothing otherwise
-            batches = [
-                synthetic_batch(step, seed=t.seed, rank=rank, world_size=world_size,
-                                micro_batch=t.micro_batch, seq_len=t.seq_len, vocab_size=vocab,
-                                micro_step=m, grad_accum=t.grad_accum).to(device)
-                for m in range(t.grad_accum)
-            ]
-            if step == probe_step:
-                dtypes.arm()
-            updates.before()
-            if tracer:
-                tracer.on_step_begin(step)
-            lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
-            with Timer(device) as timer:
-                loss, grad_norm = engine.train_step(batches, probe if step == probe_step else None)
-            peak.sample()
-            profiler.step()
-            if tracer:
-                tracer.on_step_end(step)
-            if step == probe_step:
-                summary.update(memory_summary(job, probe, peak, summary["num_params"], t.micro_batch))
-            dist.all_reduce(loss)
-            rec = {"step": step, "loss": loss.item() / world_size, "grad_norm": grad_norm, "lr": lr,
-                   "step_time_s": timer.seconds,
-                   "tokens_per_s": tokens_per_rank_step / timer.seconds, **updates.after(),
-                   "elapsed_s": time.perf_counter() - T0}
-            records.append(rec)
-            run.step(rec)
-            guard.progress(step + 1)
-            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                saved = ckpt.save(engine, job, args.checkpoint_dir, step + 1, ckpt_extra,
-                                  fault_hook=lambda s: guard.fault_hook(s, "save"))
-                summary["checkpoints"].append(saved)
-                run.log(f"saved {saved['path']} ({saved['format']}, {saved['seconds']:.2f} s)")
-            if step % every == 0 or step == t.steps - 1:
-                with bar.printing():
-                    run.log(f"step {step:4d}  loss {rec['loss']:.4f}  grad_norm {grad_norm:.3f}  "
-                            f"{rec['step_time_s'] * 1e3:7.1f} ms  {rec['tokens_per_s']:8.0f} tok/s/rank")
-            bar.update(rec["loss"], rec["tokens_per_s"])  # after the step line: the bar stays last
-        bar.close()
-        if tracer:
-            tracer.on_train_end()
-        summary["peak_memory_bytes"], summary["setup_peak_memory_bytes"] = gather(peak.peak), gather(peak.setup_peak)
-        summary["dtypes"] = dtypes.result()
-        summary["profiled_steps"] = profiler.finish()  # None without --profile
-        summary.update(status="completed", steps=len(records), **summarize_steps(records, tokens_per_rank_step))
-        summary.update(summary_keys(flops, summary["tokens_per_s_per_rank"], peak_flops, peak_source))
-    except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
-        if "bar" in locals():
-            bar.close()  # the error block starts on a line of its own
-        guard.fail(e)
-    mfu = f", MFU {summary['mfu']:.2f}" if summary["mfu"] is not None else ""
-    run.log(f"done: final loss {summary['final_loss']:.4f}, median step {summary['step_time_s'] * 1e3:.1f} ms, "
-            f"{summary['tokens_per_s_per_rank']:.0f} tokens/s/rank{mfu}; wrote {args.out}")
-    guard.finish(lambda: _finish(run, summary))
+
+def wrap(s: JobState) -> None:
+    """The backend (FSDP2 or DeepSpeed) around the model; RAM-efficient loading fills the shards after."""
+    if s.resume_meta and s.job.backend == "deepspeed":  # DeepSpeed: the checkpoint is read before initialize
+        from .checkpoint import before_backend
+
+        s.resume_state = before_backend(s.model, s.resume_meta, s.args.resume)
+    s.engine = apply_backend(s.model, s.job, s.device)
+    if s.load_method == "fsdp_ram_efficient":
+        from .loading import fsdp_fill
+
+        fsdp_fill(s.engine, s.spec, s.model_dtype, s.device)
+
+
+def restore(s: JobState) -> None:
+    """--resume DIR/step_K: model, optimizer, data position and RNG as saved; the loop starts at step K."""
+    if not s.resume_meta:
+        return
+    from .checkpoint import restore as restore_checkpoint
+
+    meta, path = s.resume_meta, s.args.resume
+    s.start_step = restore_checkpoint(s.engine, meta, path, s.resume_state)
+    s.resume_state = None
+    s.summary["resumed_from"] = {"path": path, "step": s.start_step, "format": meta["format"],
+                                 "backend": meta["backend"]}
+    s.run.log(f"resumed from {path} ({meta['format']}, {meta['backend']}, {meta['world_size']} ranks) "
+              f"at step {s.start_step}")
+
+
+def train_loop(s: JobState) -> None:
+    """The steps: the batches, one optimizer step, one all-reduce of the step's numbers, one metrics row.
+    Everything else (probes, profiler, checkpoints, progress) is an observer's hook around it."""
+    from .metrics import Timer
+    from .models import synthetic_batch
+
+    t, obs, engine = s.job.train, s.observers, s.engine
+    vocab = s.model.config.vocab_size
+    s.run.log(f"model {t.model}: {s.summary['num_params'] / 1e6:.2f}M params; "
+              f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
+    for step in range(s.start_step, t.steps):
+        s.guard.fault_hook(step)  # GUIDE_FAIL_* test hooks; nothing otherwise
+        batches = [
+            synthetic_batch(step, seed=t.seed, rank=s.rank, world_size=s.world_size, micro_batch=t.micro_batch,
+                            seq_len=t.seq_len, vocab_size=vocab, micro_step=m, grad_accum=t.grad_accum).to(s.device)
+            for m in range(t.grad_accum)
+        ]
+        s.probe = None
+        obs.on_step_begin(s, step)
+        lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
+        with Timer(s.device) as timer:
+            loss = engine.train_step(batches, s.probe)
+        sums = sum_over_ranks({"loss": loss, **engine.step_sums(), **obs.step_sums(s)}, s.device)
+        row = {"step": step, "loss": sums["loss"] / s.world_size, "grad_norm": engine.grad_norm(sums), "lr": lr,
+               "step_time_s": timer.seconds, "tokens_per_s": s.tokens_per_rank_step / timer.seconds,
+               **obs.step_row(s, sums), "elapsed_s": time.perf_counter() - T0}
+        s.records.append(row)
+        s.run.step(row)
+        s.guard.progress(step + 1)
+        obs.on_step_end(s, step, row)
+
+
+def sum_over_ranks(values: dict, device) -> dict[str, float]:
+    """Each rank's numbers (tensors or floats) summed over all ranks in one fp64 all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values.values()])
+    dist.all_reduce(vec)
+    return dict(zip(values, vec.tolist(), strict=True))
+
+
+def summarise(s: JobState) -> None:
+    """The completed run's summary: its steps, each observer's keys; rank 0's last line."""
+    from .metrics import summarize_steps
+
+    s.summary.update(status="completed", steps=len(s.records), **summarize_steps(s.records, s.tokens_per_rank_step))
+    s.summary.update(s.observers.summary(s))
+    sm = s.summary
+    mfu = f", MFU {sm['mfu']:.2f}" if sm["mfu"] is not None else ""
+    s.run.log(f"done: final loss {sm['final_loss']:.4f}, median step {sm['step_time_s'] * 1e3:.1f} ms, "
+              f"{sm['tokens_per_s_per_rank']:.0f} tokens/s/rank{mfu}; wrote {s.args.out}")
+
+
+def finish(s: JobState) -> None:
+    """Write summary.json, release --out, leave the process group."""
+    import torch.distributed as dist
+
+    s.observers.close(s)
+    s.guard.finish(lambda: _write_summary(s))
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
 
 
-def _finish(run, summary: dict) -> None:
-    summary["wall_time_s"] = time.perf_counter() - T0
-    run.finish(summary)  # before teardown: a rare abort in destroy_process_group must not lose it
+def base_summary(s: JobState) -> dict:
+    """summary.json's keys known before the job starts (a failed job keeps them)."""
+    import torch
 
-
-def gather(obj) -> list:
-    """One value per rank, in rank order (every rank calls this)."""
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
-    """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
-    import torch.distributed as dist
-
-    from .mapping import MODES, mode_key, theory_bytes
-    from .offload import totals
-
-    key = mode_key(job)
-    shard_group = secondary = None
-    grad_bytes = None
-    if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):
-        shard_group = job.fsdp.hybrid_shard_size
-    if job.backend == "deepspeed":
-        js = job.deepspeed.json
-        hpz = int(js.get("zero_optimization", {}).get("zero_hpz_partition_size", 1))
-        secondary = hpz if hpz > 1 else None
-        if js.get("data_types", {}).get("grad_accum_dtype") == "fp32":
-            grad_bytes = 4
-    theory = theory_bytes(MODES[key], num_params, dist.get_world_size(), job.mixed_precision,
-                          shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes,
-                          model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
+    job, t = s.job, s.job.train
+    nodes = _env_int("GROUP_WORLD_SIZE", 1) if "GROUP_WORLD_SIZE" in os.environ \
+        else max(1, s.world_size // _env_int("LOCAL_WORLD_SIZE", s.world_size))
     return {
-        "mode_key": key,
-        "memory_bytes": gather(totals(probe.locations)),  # probe.state + swap files + host fp32 grads
-        "memory_location_bytes": gather(probe.locations),
-        "memory_theory_bytes": theory,
-        "peak_memory_source": peak.source,
-        "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
+        "status": "failed", "reason": None, "failed_rank": None, "backend": job.backend,
+        "config": s.args.config, "mode": mode_name(job), "mixed_precision": job.mixed_precision,
+        "world_size": s.world_size, "num_nodes": nodes, "model": t.model, "num_params": None, "steps": 0,
+        "tokens_per_step": s.tokens_per_rank_step * s.world_size,
+        "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
+        "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
     }
+
+
+def write_failed(s: JobState, failed_rank, reason, message) -> None:
+    """Rank 0, called by the guard exactly once: the failed summary, with what was measured until then."""
+    from .metrics import summarize_steps
+
+    done = list(s.records)
+    s.summary.update(s.observers.summary(s))
+    s.summary.update(status="failed", reason=reason, failed_rank=failed_rank, steps=len(done),
+                     **summarize_steps(done, s.tokens_per_rank_step) if done else {})
+    s.run.log(message, echo=False)
+    _write_summary(s)
+
+
+def _write_summary(s: JobState) -> None:
+    s.summary["wall_time_s"] = time.perf_counter() - T0
+    s.run.finish(s.summary)  # before teardown: a rare abort in destroy_process_group must not lose it
 
 
 def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
@@ -415,7 +465,7 @@ def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
 
 
 def check_observers(job, spec, args) -> None:
-    """Bad --profile / wrap-policy input is refused before any rank starts (raises ConfigError)."""
+    """Bad --profile / --trace-tensors / wrap-policy input is refused before any rank starts (ConfigError)."""
     from .config import ConfigError
     from .profiling import MIN_STEPS
 

@@ -79,7 +79,7 @@ print(Path("launch_configs/fsdp/full_shard_low_precision.yaml").read_text())
 # %% language="bash"
 # for mode in fsdp/full_shard_low_precision fsdp/full_shard deepspeed/zero3; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$mode.yaml \
-#         --out notebooks/runs/02_$(basename $mode) $ARGS --steps $STEPS --lr $LR | tail -n 1
+#         --out notebooks/runs/02_$(basename $mode) $ARGS --steps $STEPS --lr $LR --track-updates | tail -n 1
 # done
 
 # %%
@@ -190,7 +190,8 @@ print("stored params the optimizer updates and optimizer states match the seeds'
 # %% [markdown]
 # ## 4 · How many weights a step really changes
 #
-# `updated_fraction` (in `metrics.jsonl`) counts, over every rank's shard, the share of
+# `updated_fraction` (in `metrics.jsonl`, recorded because section 1 passed `--track-updates`;
+# without it the column is null) counts, over every rank's shard, the share of
 # parameter elements whose value changed in a step, in the tensor the optimizer updates;
 # `updated_fraction_compute` counts the same after rounding to bf16, the weights the
 # forward pass uses. About a fifth of the elements never change in any mode: embedding rows

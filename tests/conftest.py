@@ -69,11 +69,11 @@ def summary(out: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
-    """One 2-rank, 20-step tiny run per backend, shared by the tests that read them."""
+    """One 2-rank, 20-step tiny run per backend (updated fractions tracked), shared by the tests that read them."""
     base = tmp_path_factory.mktemp("pair")
     outs = {}
     for name, cfg in (("fsdp", FSDP), ("deepspeed", ZERO3)):
-        proc = run_job(cfg, base / name, 2, "--model", "tiny", "--steps", "20")
+        proc = run_job(cfg, base / name, 2, "--model", "tiny", "--steps", "20", "--track-updates")
         assert proc.returncode == 0, f"{name} job failed:\n{proc.stderr[-3000:]}"
         outs[name] = base / name
     return outs

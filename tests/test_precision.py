@@ -62,7 +62,7 @@ def stall_pair(tmp_path_factory):
     """Low precision and aligned FSDP at a rate where bf16 updates round away."""
     base = tmp_path_factory.mktemp("stall")
     for name, cfg in (("fsdp_low", LOW), ("fsdp", FSDP)):
-        proc = run_job(cfg, base / name, 2, *TINY, "--steps", "40", "--lr", "1e-5")
+        proc = run_job(cfg, base / name, 2, *TINY, "--steps", "40", "--lr", "1e-5", "--track-updates")
         assert proc.returncode == 0, proc.stderr[-3000:]
     return base
 

@@ -55,6 +55,13 @@ def test_fsdp_collectives_per_step_match_its_units(profiled):
         assert got.all_gather_MB.iloc[0] * 1e6 == pytest.approx(want["all_gather_bytes"])
 
 
+def test_one_all_reduce_per_step(profiled):
+    """Loss and gradient norm (and update counts, with --track-updates) travel in one all-reduce per step."""
+    for rank in (0, 1):
+        got = traces.collectives(profiled / "fsdp", rank)
+        assert list(got.all_reduces) == [1] * len(PROFILE_STEPS), got
+
+
 def test_deepspeed_without_prefetch_gathers_each_param_twice(profiled):
     got = traces.collectives(profiled / "deepspeed")
     n_tensors = 2 * 9 + 3  # per block: q, k, v, o, gate, up, down, 2 norms; embeddings, final norm, head

@@ -1,8 +1,11 @@
 """Real 2-rank jobs: the run-directory contract and FSDP/DeepSpeed parity."""
 
 import json
+import subprocess
+import sys
+import textwrap
 
-from conftest import FSDP, run_job, summary
+from conftest import FSDP, REPO, job_env, run_job, summary
 
 from helpers.metrics import STEP_KEYS, SUMMARY_KEYS
 from helpers.results import RunError, load_run
@@ -51,6 +54,61 @@ def test_single_process_without_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = summary(tmp_path / "one")
     assert s["world_size"] == 1 and s["steps"] == 3 and s["status"] == "completed"
+
+
+def test_update_tracker_is_opt_in(tmp_path):
+    proc = run_job(FSDP, tmp_path / "one", 0, "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(set(r) == set(STEP_KEYS) for r in rows)
+    assert all(r["updated_fraction"] is None and r["updated_fraction_compute"] is None for r in rows)
+    notes = [ln for ln in (tmp_path / "one" / "log.txt").read_text().splitlines() if "updated_fraction" in ln]
+    assert notes == ["note: updated_fraction not tracked (null in metrics.jsonl): it copies every shard each "
+                     "step; pass --track-updates"]
+
+
+OBSERVER_JOB = """
+import json, os, sys
+from helpers import observers, train
+
+calls = []
+
+class Recorder(observers.Observer):  # a new measurement: one class, nothing else edited
+    def on_load_begin(self, s): calls.append("load")
+    def on_model_built(self, s): calls.append("model")
+    def on_engine_ready(self, s): calls.append("engine")
+    def on_train_begin(self, s): calls.append("begin")
+    def on_step_begin(self, s, step): calls.append(f"step {step}")
+    def step_sums(self, s): return {"recorder.rank_plus_one": s.rank + 1}
+    def step_row(self, s, sums): calls.append(sums["recorder.rank_plus_one"]); return {}
+    def on_step_end(self, s, step, row): calls.append(f"end {step}: {row['step']}")
+    def on_train_end(self, s): calls.append("train end")
+    def summary(self, s): return {"mode_key": "recorded"}  # any key of the schema
+    def close(self, s): calls.append("close")
+
+default = observers.default_observers
+observers.default_observers = lambda s: observers.Observers([*default(s).items, Recorder()])
+train.main(sys.argv[1:])
+print("CALLS", json.dumps(calls), flush=True)
+os._exit(0)
+"""
+
+
+def test_an_observer_is_one_class(tmp_path):
+    """A measurement plugs in as one Observer: its hooks run in order on every rank, its per-step numbers
+    come back summed over the ranks, its keys reach summary.json."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(OBSERVER_JOB))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), "--config", FSDP, "--out", str(out), "--model", "tiny", "--steps", "2"],
+                          cwd=REPO, env={**job_env(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = [json.loads(ln[len("CALLS "):]) for ln in proc.stdout.splitlines() if ln.startswith("CALLS ")]
+    assert calls == [["load", "model", "engine", "begin", "step 0", 3.0, "end 0: 0", "step 1", 3.0, "end 1: 1",
+                      "train end", "close"]], proc.stdout[-2000:]  # rank 0 prints; 1 + 2 summed over 2 ranks
+    assert summary(out)["mode_key"] == "recorded" and summary(out)["status"] == "completed"
 
 
 def test_failing_job_says_failed_and_plots_refuse_it(tmp_path):

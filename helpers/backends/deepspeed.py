@@ -3,8 +3,9 @@
 ``apply_deepspeed(model, job, device)`` fills the DeepSpeed config's
 ``"auto"`` values from the job, calls ``deepspeed.initialize`` with a torch
 AdamW (the optimizer an Accelerate script would pass), and returns an engine
-with ``train_step(batches) -> (loss, grad_norm)`` - the same shape as
-``helpers.backends.fsdp.apply_fsdp``.
+with ``train_step(batches) -> loss`` (this rank's), ``step_sums()`` and
+``grad_norm(sums)`` - the same shape as ``helpers.backends.fsdp.apply_fsdp``
+(DeepSpeed reduces the gradient norm itself: it adds nothing to the sums).
 
 With ``bf16.enabled`` DeepSpeed keeps the module in bf16 and builds fp32
 master partitions for the optimizer (``_create_fp32_partitions``), whatever
@@ -136,8 +137,9 @@ class DeepSpeedEngine:
         """The learning rate the next step uses (a JSON scheduler moves it)."""
         return float(self.engine.get_lr()[0])
 
-    def train_step(self, batches: list[torch.Tensor], probe=None) -> tuple[torch.Tensor, float]:
-        """Forward/backward every micro-batch, then one optimizer step. ``probe``: see helpers.memory."""
+    def train_step(self, batches: list[torch.Tensor], probe=None) -> torch.Tensor:
+        """Forward/backward every micro-batch, then one optimizer step; this rank's mean loss (not reduced).
+        ``probe``: see helpers.memory."""
         total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
         for i, ids in enumerate(batches):
             with probe.forward(i) if probe else nullcontext(), record_function("guide::forward"):
@@ -149,5 +151,11 @@ class DeepSpeedEngine:
             with record_function("guide::optimizer_step"):
                 self.engine.step()  # steps the optimizer on the last micro-batch only
             total += loss.detach().float()
+        return total / len(batches)
+
+    def step_sums(self) -> dict:
+        return {}  # DeepSpeed's step already reduced the gradient norm
+
+    def grad_norm(self, sums: dict[str, float]) -> float:
         norm = self.engine.get_global_grad_norm()
-        return total / len(batches), float(norm if norm is not None else float("nan"))
+        return float(norm if norm is not None else float("nan"))

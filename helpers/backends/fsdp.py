@@ -1,8 +1,11 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the guide's engine interface.
 
 ``apply_fsdp(model, job, device)`` shards each transformer block, then the
-root, and returns an engine with ``train_step(batches) -> (loss, grad_norm)``
-- the same shape as ``helpers.backends.deepspeed.apply_deepspeed``.
+root, and returns an engine with ``train_step(batches) -> loss`` (this rank's),
+``step_sums()`` and ``grad_norm(sums)`` - the same shape as
+``helpers.backends.deepspeed.apply_deepspeed``. Without clipping, the gradient norm's
+all-reduce waits for the job's one all-reduce of the step's numbers (helpers.train);
+with clipping, the clip needs it at once and the engine reduces it itself.
 
 Precision follows Accelerate: with ``mixed_precision: bf16`` the model
 (loaded in bf16) is upcast to fp32 before sharding, so the sharded params and
@@ -104,13 +107,15 @@ class FSDPEngine:
 
     def __init__(self, model, optimizer, mesh, grad_clip: float):
         self.model, self.optimizer, self.mesh, self.grad_clip = model, optimizer, mesh, grad_clip
+        self._norm = self._sq = None  # the last step's global norm (clipping) or local sum of squares
 
     @property
     def module(self) -> torch.nn.Module:
         return self.model
 
-    def train_step(self, batches: list[torch.Tensor], probe=None) -> tuple[torch.Tensor, float]:
-        """Forward/backward every micro-batch, then one optimizer step. ``probe``: see helpers.memory."""
+    def train_step(self, batches: list[torch.Tensor], probe=None) -> torch.Tensor:
+        """Forward/backward every micro-batch, then one optimizer step; this rank's mean loss (not reduced).
+        ``probe``: see helpers.memory."""
         n = len(batches)
         total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
         for i, ids in enumerate(batches):
@@ -124,15 +129,38 @@ class FSDPEngine:
         if probe:
             probe.after_backward(self)
         with record_function("guide::optimizer_step"):
-            norm = self._grad_norm()
             if self.grad_clip > 0:
-                self._clip(norm)
+                self._norm, self._sq = self._grad_norm(), None  # the clip needs the global norm now
+                self._clip(self._norm)
+            else:
+                self._norm, self._sq = None, self._grad_norm(reduce=False)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return total / n, float(norm)
+        return total / n
 
-    def _grad_norm(self) -> torch.Tensor:
-        """Global L2 norm in fp64 over the local grad shards, in DeepSpeed ZeRO-3's arithmetic.
+    def step_sums(self) -> dict:
+        """This rank's part of the squared gradient norm, when not reduced yet: one replica's shards count
+        (NO_SHARD and HYBRID replicas hold the same reduced gradients), the others add 0."""
+        if self._sq is None:
+            return {}
+        first_replica = self.mesh.ndim == 1 or self.mesh.get_local_rank("replicate") == 0
+        return {"grad_norm_sq": self._sq if first_replica else torch.zeros_like(self._sq)}
+
+    def grad_norm(self, sums: dict[str, float]) -> float:
+        """The step's global gradient norm (before clipping), given the summed ``step_sums``."""
+        if self._sq is None:
+            return float(self._norm)
+        return float(self._finish_norm(torch.tensor(sums["grad_norm_sq"], dtype=torch.float64)))
+
+    @staticmethod
+    def _finish_norm(sq: torch.Tensor) -> torch.Tensor:
+        """The summed squares -> the norm, as ``combine_grad_norm_groups`` does (a vector norm over the one
+        group of ``sq ** 0.5``): bit for bit what DeepSpeed reports."""
+        return torch.linalg.vector_norm(torch.stack([sq ** (1.0 / 2.0)]), ord=2.0)
+
+    def _grad_norm(self, reduce: bool = True) -> torch.Tensor:
+        """Global L2 norm in fp64 over the local grad shards, in DeepSpeed ZeRO-3's arithmetic
+        (``reduce=False``: this rank's sum of squares, left for the caller to sum).
 
         ``get_grad_norm_direct``: one fp64 norm per local shard, stacked, squared and summed with
         ``torch.sum``, all-reduced, raised to 1/2, then ``combine_grad_norm_groups`` (a vector norm
@@ -141,10 +169,12 @@ class FSDPEngine:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norms = torch.stack([p.grad.to_local().double().norm(2) for p in params])
         sq = torch.sum(torch.pow(norms, 2.0))
+        if not reduce:
+            return sq
         shard_dim = self.mesh["shard"] if self.mesh.ndim > 1 else self.mesh
         if shard_dim.size() > 1:  # on the host under CPU offload: comm moves it to the group's device
             comm.all_reduce(sq, group=shard_dim.get_group())
-        return torch.linalg.vector_norm(torch.stack([sq ** (1.0 / 2.0)]), ord=2.0)
+        return self._finish_norm(sq)
 
     def _clip(self, norm: torch.Tensor) -> None:
         # DeepSpeed's formula: scale = max((norm + 1e-6) / max_norm, 1), grads *= 1/scale

@@ -1,0 +1,417 @@
+"""Everything that watches a job, behind one small interface.
+
+``helpers.train`` runs the job's phases and calls, on every rank and in this order,
+each observer's hooks (the names follow transformers' ``TrainerCallback``):
+
+``on_load_begin(s)``      before the model is created
+``on_model_built(s)``     ``s.model`` exists, the backend is not applied yet
+``on_engine_ready(s)``    ``s.engine`` exists (sharded, weights in place), before ``--resume``
+``on_train_begin(s)``     before the first step (``s.start_step``)
+``on_step_begin(s, step)``  before the step's forward; may set ``s.probe`` (see helpers.memory)
+``step_sums(s)``          numbers of this rank to sum over ranks: the job sends every observer's
+                          sums, the loss and the gradient norm in *one* all-reduce per step
+``step_row(s, sums)``     this observer's keys in the step's ``metrics.jsonl`` row, from the sums
+``on_step_end(s, step, row)``  after the row is written
+``on_train_end(s)``       after the last step; collectives allowed (gathers, barriers)
+``summary(s)``            this observer's ``summary.json`` keys, as far as measured; also called
+                          when the job fails (rank 0, maybe from the watchdog thread): no collectives
+``close(s)``              once at the very end, completed or failed: release what it holds
+
+``s`` is the job's ``helpers.train.JobState`` (config, rank, device, run directory, model,
+engine, ...). Every hook but ``summary`` and ``close`` runs on every rank at the same point,
+so a hook may use collectives as long as every rank makes the same calls. A new measurement
+is one new ``Observer`` subclass, added in ``default_observers``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .train import JobState
+
+
+def gather(obj) -> list:
+    """One value per rank, in rank order (every rank calls this)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class Observer:
+    """Does nothing at every hook; a measurement overrides the hooks it needs."""
+
+    def on_load_begin(self, s: JobState) -> None: ...
+    def on_model_built(self, s: JobState) -> None: ...
+    def on_engine_ready(self, s: JobState) -> None: ...
+    def on_train_begin(self, s: JobState) -> None: ...
+    def on_step_begin(self, s: JobState, step: int) -> None: ...
+    def step_sums(self, s: JobState) -> dict:
+        return {}
+
+    def step_row(self, s: JobState, sums: dict[str, float]) -> dict:
+        return {}
+
+    def on_step_end(self, s: JobState, step: int, row: dict) -> None: ...
+    def on_train_end(self, s: JobState) -> None: ...
+    def summary(self, s: JobState) -> dict:
+        return {}
+
+    def close(self, s: JobState) -> None: ...
+
+
+class Observers(Observer):
+    """A list of observers behind the same interface: each hook calls theirs in order."""
+
+    def __init__(self, items: list[Observer]):
+        self.items = list(items)
+
+    def on_load_begin(self, s):
+        for o in self.items:
+            o.on_load_begin(s)
+
+    def on_model_built(self, s):
+        for o in self.items:
+            o.on_model_built(s)
+
+    def on_engine_ready(self, s):
+        for o in self.items:
+            o.on_engine_ready(s)
+
+    def on_train_begin(self, s):
+        for o in self.items:
+            o.on_train_begin(s)
+
+    def on_step_begin(self, s, step):
+        for o in self.items:
+            o.on_step_begin(s, step)
+
+    def step_sums(self, s):
+        return {k: v for o in self.items for k, v in o.step_sums(s).items()}
+
+    def step_row(self, s, sums):
+        return {k: v for o in self.items for k, v in o.step_row(s, sums).items()}
+
+    def on_step_end(self, s, step, row):
+        for o in self.items:
+            o.on_step_end(s, step, row)
+
+    def on_train_end(self, s):
+        for o in self.items:
+            o.on_train_end(s)
+
+    def summary(self, s):
+        return {k: v for o in self.items for k, v in o.summary(s).items()}
+
+    def close(self, s):
+        for o in self.items:
+            o.close(s)
+
+
+def default_observers(s: JobState) -> Observers:
+    """The guide's measurements, in the order their hooks run (and their log lines appear)."""
+    traces = [TensorTraces()] if s.args.trace_tensors else []
+    return Observers([Throughput(), Loading(), Memory(), Dtypes(), Updates(enabled=s.args.track_updates),
+                      Profiler(), *traces, Checkpoints(), ProgressLog()])
+
+
+# ---------------------------------------------------------------------------------------------- the measurements
+
+
+class Throughput(Observer):
+    """Device peak (logged at start), FLOPs per token, and the summary's MFU keys (helpers.throughput)."""
+
+    def __init__(self):
+        self.keys: dict = {}
+
+    def on_load_begin(self, s):
+        from .throughput import compute_dtype, device_peak, fmt_flops
+
+        self.peak, self.source = device_peak(s.device, compute_dtype(s.job), s.args.peak_tflops)
+        s.run.log(f"peak {fmt_flops(self.peak)} per device ({self.source})" if self.peak
+                  else f"note: no MFU: {self.source}")
+
+    def on_model_built(self, s):
+        from .throughput import flops_per_token
+
+        self.flops = flops_per_token(s.model, s.job.train.seq_len)  # the whole model, before any sharding
+
+    def on_train_end(self, s):
+        from .metrics import summarize_steps
+        from .throughput import summary_keys
+
+        tps = summarize_steps(s.records, s.tokens_per_rank_step)["tokens_per_s_per_rank"]
+        self.keys = summary_keys(self.flops, tps, self.peak, self.source)
+
+    def summary(self, s):
+        return self.keys  # once the loop is over
+
+
+class Loading(Observer):
+    """``--model DIR``: time and peak RSS per rank of the load, and whether the weights match the file."""
+
+    def __init__(self):
+        self.monitor, self.record = None, None
+
+    def on_load_begin(self, s):
+        if s.load_method:
+            from .loading import LoadMonitor
+
+            dist.barrier()  # every rank starts the load together
+            self.monitor = LoadMonitor()
+            self.monitor.__enter__()
+
+    def on_model_built(self, s):
+        if s.load_method == "zero3_init":  # partitioned as it loaded: the load ends here, before the optimizer
+            self.monitor.__exit__(None, None, None)
+
+    def on_engine_ready(self, s):
+        if not self.monitor:
+            return
+        from .loading import weights_match
+
+        if s.load_method != "zero3_init":  # naive and RAM-efficient: the load ends once the weights are sharded
+            self.monitor.__exit__(None, None, None)
+        m = self.monitor
+        self.record = {"method": s.load_method, "path": s.spec.path, "ranks": gather(m.result),
+                       "weights_match": weights_match(s.engine, s.spec, s.model_dtype)}
+        s.run.log(f"loaded {s.spec.path} ({s.load_method}): {m.seconds:.2f} s, peak RssAnon "
+                  f"+{m.result['peak_rss_anon_bytes'] / 2**20:.0f} MiB on rank 0, weights match the file: "
+                  f"{self.record['weights_match']}")
+
+    def summary(self, s):
+        return {"loading": self.record}
+
+
+class Memory(Observer):
+    """Per-rank state bytes at step 1 next to the ZeRO model, peak memory, activations (helpers.memory)."""
+
+    def __init__(self):
+        self.keys: dict = {}
+
+    def on_model_built(self, s):
+        from functools import partial
+
+        from .memory import PeakMemory, StepProbe
+        from .offload import state_locations
+
+        self.peak = PeakMemory(s.device)
+        s.model.register_forward_hook(self.peak.sample)  # activations are all alive at the end of forward
+        locate = partial(state_locations, accelerator=s.use_cuda, rank=s.rank,
+                         ds_json=s.job.deepspeed.json if s.job.deepspeed else None)
+        self.probe = StepProbe(s.model, locate)
+
+    def on_train_begin(self, s):
+        self.peak.end_setup()  # the GPU allocator's peak counts training from here (setup_peak_memory_bytes)
+
+    def on_step_begin(self, s, step):
+        if step == s.probe_step:  # step 1: Adam's states exist
+            s.probe = self.probe
+
+    def on_step_end(self, s, step, row):
+        self.peak.sample()
+        if step == s.probe_step:
+            self.keys.update(memory_summary(s.job, self.probe, self.peak, s.summary["num_params"],
+                                            s.job.train.micro_batch))
+
+    def on_train_end(self, s):
+        self.keys["peak_memory_bytes"] = gather(self.peak.peak)
+        self.keys["setup_peak_memory_bytes"] = gather(self.peak.setup_peak)
+
+    def summary(self, s):
+        return self.keys
+
+
+def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
+    """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
+    from .mapping import MODES, mode_key, theory_bytes
+    from .offload import totals
+
+    key = mode_key(job)
+    shard_group = secondary = None
+    grad_bytes = None
+    if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):
+        shard_group = job.fsdp.hybrid_shard_size
+    if job.backend == "deepspeed":
+        js = job.deepspeed.json
+        hpz = int(js.get("zero_optimization", {}).get("zero_hpz_partition_size", 1))
+        secondary = hpz if hpz > 1 else None
+        if js.get("data_types", {}).get("grad_accum_dtype") == "fp32":
+            grad_bytes = 4
+    theory = theory_bytes(MODES[key], num_params, dist.get_world_size(), job.mixed_precision,
+                          shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes,
+                          model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
+    return {
+        "mode_key": key,
+        "memory_bytes": gather(totals(probe.locations)),  # probe.state + swap files + host fp32 grads
+        "memory_location_bytes": gather(probe.locations),
+        "memory_theory_bytes": theory,
+        "peak_memory_source": peak.source,
+        "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
+    }
+
+
+class Dtypes(Observer):
+    """The dtype of one parameter at every stage of step 1 (helpers.precision.DtypeProbe)."""
+
+    def __init__(self):
+        self.result = None
+
+    def on_model_built(self, s):
+        from .precision import DtypeProbe
+
+        self.probe = DtypeProbe(s.model)  # before the backend: sees the dtype the model was loaded in
+
+    def on_train_begin(self, s):
+        self.probe.attach(s.engine)
+
+    def on_step_begin(self, s, step):
+        if step == s.probe_step:
+            self.probe.arm()
+
+    def on_train_end(self, s):
+        self.result = self.probe.result()
+
+    def summary(self, s):
+        return {"dtypes": self.result} if self.result else {}
+
+
+class Updates(Observer):
+    """``updated_fraction(_compute)`` per step (helpers.precision.UpdateTracker); opt-in: ``--track-updates``.
+
+    Off (or impossible for this job), both keys stay in every row as null and ``log.txt`` says why.
+    """
+
+    KEYS = ("updated_fraction", "updated_fraction_compute")
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.tracker = enabled, None
+
+    def on_train_begin(self, s):
+        if not self.enabled:
+            s.run.log("note: updated_fraction not tracked (null in metrics.jsonl): it copies every shard each step; "
+                      "pass --track-updates")
+            return
+        from .precision import UpdateTracker
+
+        tracker = UpdateTracker(s.engine, s.summary["num_params"])
+        if tracker.enabled:
+            self.tracker = tracker
+        else:
+            s.run.log(f"note: updated_fraction not tracked (null in metrics.jsonl): {tracker.why_not}")
+
+    def on_step_begin(self, s, step):
+        if self.tracker:
+            self.tracker.before()
+
+    def step_sums(self, s):
+        if not self.tracker:
+            return {}
+        changed, changed_compute, elements = self.tracker.counts()
+        return {"updates.changed": changed, "updates.changed_compute": changed_compute, "updates.elements": elements}
+
+    def step_row(self, s, sums):
+        if not self.tracker:
+            return dict.fromkeys(self.KEYS)
+        n = sums["updates.elements"]
+        return {"updated_fraction": sums["updates.changed"] / n,
+                "updated_fraction_compute": sums["updates.changed_compute"] / n}
+
+
+class Profiler(Observer):
+    """``--profile``: a torch.profiler trace of a few steps per rank (helpers.profiling)."""
+
+    def __init__(self):
+        self.prof, self.steps, self.done = None, None, False
+
+    def on_train_begin(self, s):
+        from .profiling import StepProfiler
+
+        self.prof = StepProfiler(s.args.out, s.rank, enabled=s.args.profile, use_cuda=s.use_cuda)
+
+    def on_step_end(self, s, step, row):
+        self.prof.step()  # a profiled step spans one whole loop iteration, the step's all-reduce included
+
+    def on_train_end(self, s):
+        self.steps = self.prof.finish()  # None without --profile
+        self.done = True
+
+    def summary(self, s):
+        return {"profiled_steps": self.steps} if self.done else {}
+
+
+class TensorTraces(Observer):
+    """``--trace-tensors``: exact per-step fingerprints of every weight, gradient and update
+    (helpers.tensor_trace; its own hooks on the model and optimizer, one all-reduce per step)."""
+
+    def on_train_begin(self, s):
+        from .tensor_trace import TensorTracer
+
+        self.tracer = TensorTracer(s.args.out, s.rank, s.world_size)
+        self.tracer.on_train_begin(s.engine)
+
+    def on_step_begin(self, s, step):
+        self.tracer.on_step_begin(step)
+
+    def on_step_end(self, s, step, row):
+        self.tracer.on_step_end(step)
+
+    def on_train_end(self, s):
+        self.tracer.on_train_end()
+
+
+class Checkpoints(Observer):
+    """``--checkpoint-dir`` / ``--checkpoint-every``: saves during the loop (helpers.checkpoint)."""
+
+    def __init__(self):
+        self.saved: list[dict] = []
+
+    def on_train_begin(self, s):
+        from .checkpoint import param_shapes
+
+        self.every = s.args.checkpoint_every
+        self.extra = {"param_shapes": param_shapes(s.engine.module),
+                      "model_config": json.loads(s.model.config.to_json_string())} if self.every else {}
+
+    def on_step_end(self, s, step, row):
+        if self.every and (step + 1) % self.every == 0:
+            from .checkpoint import save
+
+            saved = save(s.engine, s.job, s.args.checkpoint_dir, step + 1, self.extra,
+                         fault_hook=lambda k: s.guard.fault_hook(k, "save"))
+            self.saved.append(saved)
+            s.run.log(f"saved {saved['path']} ({saved['format']}, {saved['seconds']:.2f} s)")
+
+    def summary(self, s):
+        return {"checkpoints": self.saved}
+
+
+class ProgressLog(Observer):
+    """Rank 0's ``step ...`` lines (about ten per job) and the progress bar under them (helpers.progress)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_begin(self, s):
+        from .progress import Progress
+
+        t = s.job.train
+        self.every = max(1, t.steps // 10)
+        self.bar = Progress(t.steps, active=s.rank == 0, initial=s.start_step)
+
+    def on_step_end(self, s, step, row):
+        if step % self.every == 0 or step == s.job.train.steps - 1:
+            with self.bar.printing():
+                s.run.log(f"step {step:4d}  loss {row['loss']:.4f}  grad_norm {row['grad_norm']:.3f}  "
+                          f"{row['step_time_s'] * 1e3:7.1f} ms  {row['tokens_per_s']:8.0f} tok/s/rank")
+        self.bar.update(row["loss"], row["tokens_per_s"])  # after the step line: the bar stays last
+
+    def on_train_end(self, s):
+        self.close(s)
+
+    def close(self, s):
+        if self.bar is not None:
+            self.bar.close()  # an error block starts on a line of its own

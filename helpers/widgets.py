@@ -74,6 +74,26 @@ def plot_memory(runs: list[results.Run], fig) -> None:
     plots.loss_curves(runs, ax=right)
 
 
+def plot_locations(runs: list[results.Run], fig) -> None:
+    """Where rank 0's state lives (device, host, disk), one bar per run (notebook 03)."""
+    from . import plots
+    from .offload import LOCATIONS
+
+    plots.location_bars(runs, labels=[r.summary["mode_key"] for r in runs], axes=fig.subplots(1, len(LOCATIONS)))
+
+
+def plot_throughput(runs: list[results.Run], fig) -> None:
+    """Tokens/s per rank and MFU per run (notebook 07)."""
+    left, right = fig.subplots(1, 2)
+    labels = [r.label for r in runs]
+    left.bar(labels, [r.summary["tokens_per_s_per_rank"] for r in runs])
+    left.set(ylabel="tokens/s per rank", title="throughput (median step)")
+    right.bar(labels, [100 * (r.summary["mfu"] or 0) for r in runs])
+    right.set(ylabel="MFU (%)", title="model FLOPs utilization")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=20)
+
+
 # --------------------------------------------------------------------------- control panel
 
 

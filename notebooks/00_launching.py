@@ -178,4 +178,5 @@ for r in (fsdp, ds):
 from helpers import widgets
 
 widgets.ControlPanel("00", {"FSDP FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
-                            "DeepSpeed ZeRO-3": "launch_configs/deepspeed/zero3.yaml"}, steps=STEPS)
+                            "DeepSpeed ZeRO-3": "launch_configs/deepspeed/zero3.yaml"},
+                     args="--model tiny --steps $STEPS")

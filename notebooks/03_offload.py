@@ -284,3 +284,21 @@ if not NVME_OK:
 #   locations are one RAM - and the step-time ratios are the bookkeeping and the copies;
 #   on a GPU the "device" column is what offload frees, paid for in PCIe traffic and a
 #   host-side optimizer step.
+
+# %% [markdown]
+# ## Optional: try other settings
+#
+# Nothing below is part of the story above, and nothing runs until you click **Run**. The
+# panel's defaults are this notebook's own command (`$ARGS --steps $STEPS`); it launches the selected configs
+# into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its parameters are large enough to be partitioned and moved.
+
+# %%
+from helpers import widgets
+
+widgets.ControlPanel("03", {"FSDP": "launch_configs/fsdp/full_shard.yaml",
+                            "FSDP offload": "launch_configs/fsdp/full_shard_offload.yaml",
+                            "ZeRO-3": "launch_configs/deepspeed/zero3.yaml",
+                            "ZeRO-3 offload optimizer": "launch_configs/deepspeed/zero3_offload_optimizer.yaml",
+                            "ZeRO-3 offload all": "launch_configs/deepspeed/zero3_offload.yaml"},
+                     args="$ARGS --steps $STEPS", plot=widgets.plot_locations,
+                     selected=["FSDP offload", "ZeRO-3 offload all"])

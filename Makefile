@@ -42,8 +42,31 @@ libaio:
 		echo "setup: libaio-dev is not installed (needs root: sudo apt-get install libaio-dev);" \
 		"NVMe offload will be skipped"
 
+# JupyterLab on the working copy work/ (ignored by git; made on first use by helpers.workcopy): runs and
+# autosaves never touch the repo's notebooks. On a remote machine: make lab LAB_IP=0.0.0.0 LAB_PORT=8888
+# LAB_TOKEN=yours (or keep the default address and tunnel: ssh -L 8888:localhost:8888 user@host).
+# --allow-root is added when run as root (containers, cloud workshop machines).
+LAB_IP    ?= 127.0.0.1
+LAB_PORT  ?= 8888
+ifeq ($(origin LAB_TOKEN),undefined)
+LAB_TOKEN := $(shell od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+endif
+LAB_HOST  := $(if $(filter 0.0.0.0 ::,$(LAB_IP)),$(shell hostname -f 2>/dev/null || hostname),$(LAB_IP))
+LAB_FIRST := lab/tree/notebooks/00_launching.ipynb
+
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/
+	$(PY) -m helpers.workcopy
+	@echo "lab: serving work/ (your copies; make lab-refresh replaces them with the repo's)"
+	@echo "lab: open http://$(LAB_HOST):$(LAB_PORT)/$(LAB_FIRST)?token=$(LAB_TOKEN)"
+	@echo "lab: from another machine: ssh -L $(LAB_PORT):localhost:$(LAB_PORT) USER@THIS_HOST, then open" \
+		"http://localhost:$(LAB_PORT)/$(LAB_FIRST)?token=$(LAB_TOKEN)"
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=work --ip=$(LAB_IP) --port=$(LAB_PORT) \
+		--ServerApp.port_retries=0 --IdentityProvider.token=$(LAB_TOKEN) \
+		--LabApp.default_url=/$(LAB_FIRST) $(if $(filter 0,$(shell id -u)),--allow-root --no-browser)
+
+# fresh copies of the repo's notebooks in work/ (your edited copies move to work/notebooks/previous/)
+lab-refresh:
+	$(PY) -m helpers.workcopy --refresh
 
 test: setup lint test-unit test-notebooks
 
@@ -74,4 +97,4 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf notebooks/runs runs .pytest_cache
+	rm -rf notebooks/runs runs .pytest_cache work/notebooks/runs

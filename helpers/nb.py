@@ -9,6 +9,14 @@ from pathlib import Path
 from .plots import use_style
 
 REPO = Path(__file__).resolve().parent.parent
+ROOT = REPO  # where jobs run from: the repo, or a working copy (helpers.workcopy) after setup()
+
+
+def find_root(cwd: Path) -> Path:
+    """The working copy a kernel started in (its notebooks/ folder or the copy itself), else the repo."""
+    from .workcopy import MARKER
+
+    return next((d for d in (cwd, cwd.parent) if (d / MARKER).is_file()), REPO)
 
 
 def setup(default_size: str = "full") -> str:
@@ -18,7 +26,9 @@ def setup(default_size: str = "full") -> str:
       same ``torchrun`` and packages as the kernel;
     * one thread per rank (a 2-core laptop runs 2 ranks), quiet DeepSpeed
       warnings, CPU accelerator for DeepSpeed when there is no GPU;
-    * the shared figure style.
+    * the shared figure style;
+    * the working directory: the repo, or the working copy the notebook was
+      opened from (``make lab``: ``work/``, whose runs and saves git ignores).
 
     The size comes from ``GUIDE_SIZE`` (``make test`` sets ``quick``).
     """
@@ -27,7 +37,9 @@ def setup(default_size: str = "full") -> str:
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
-    os.chdir(REPO)  # launch commands use repo-relative paths, like the README
+    global ROOT
+    ROOT = find_root(Path.cwd())  # a notebook in work/notebooks/ runs from work/: runs land there
+    os.chdir(ROOT)  # launch commands use repo-relative paths, like the README
     use_style()
     size = os.environ.get("GUIDE_SIZE", default_size)
     if size not in ("full", "quick"):

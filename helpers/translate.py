@@ -359,7 +359,8 @@ def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
 
     for k in sorted(js):
         if k in _DS_LOGGING:
-            t.notes.append(f"{k} = {js[k]!r}: logging only, nothing to translate")
+            t.notes.append(f"{k}: changes only what DeepSpeed logs, not training; FSDP has no such setting, "
+                           "nothing to do")
         else:
             warn(f"{k} = {js[k]!r}: no FSDP counterpart in helpers.mapping; dropped")
     for k, v in sec.items():

@@ -1,12 +1,13 @@
 """Optional ipywidgets panels for the notebooks: rerun an experiment, estimate memory.
 
     panel = widgets.ControlPanel("00", {"FSDP FULL_SHARD": "launch_configs/fsdp/full_shard.yaml", ...},
-                                 plot=widgets.plot_losses)
+                                 args="--model tiny --steps $STEPS", plot=widgets.plot_losses)
     panel  # shows the controls; nothing runs until "Run" is clicked (or panel.run() is called)
 
 ``ControlPanel``: which configs (backend modes), world size, model preset and
-learning rate; "Run" launches the same ``torchrun -m helpers.train`` jobs the
-notebook's ``%%bash`` cells do, one after the other, into
+learning rate, each defaulting to what the notebook ran; "Run" launches the same
+``torchrun -m helpers.train`` jobs the notebook's ``%%bash`` cells do (the same
+arguments until a control is changed), one after the other, into
 ``notebooks/runs/panel_<notebook>_<n>/`` (its own directories, never the
 notebook's), with a progress bar that follows each job's ``metrics.jsonl``,
 then redraws the side-by-side plot from the run directories.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -34,9 +36,13 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 
 from . import mapping, nb, results
-from .nb import REPO
+from .config import TrainOptions
 
-RUNS = REPO / "notebooks" / "runs"
+RUNS: Path | None = None  # None: notebooks/runs under nb.ROOT (the repo, or the working copy)
+
+
+def runs_dir() -> Path:
+    return RUNS if RUNS is not None else nb.ROOT / "notebooks" / "runs"
 
 
 # --------------------------------------------------------------------------- plots the panels can redraw
@@ -68,22 +74,59 @@ def plot_memory(runs: list[results.Run], fig) -> None:
     plots.loss_curves(runs, ax=right)
 
 
+def plot_locations(runs: list[results.Run], fig) -> None:
+    """Where rank 0's state lives (device, host, disk), one bar per run (notebook 03)."""
+    from . import plots
+    from .offload import LOCATIONS
+
+    plots.location_bars(runs, labels=[r.summary["mode_key"] for r in runs], axes=fig.subplots(1, len(LOCATIONS)))
+
+
+def plot_throughput(runs: list[results.Run], fig) -> None:
+    """Tokens/s per rank and MFU per run (notebook 07)."""
+    left, right = fig.subplots(1, 2)
+    labels = [r.label for r in runs]
+    left.bar(labels, [r.summary["tokens_per_s_per_rank"] for r in runs])
+    left.set(ylabel="tokens/s per rank", title="throughput (median step)")
+    right.bar(labels, [100 * (r.summary["mfu"] or 0) for r in runs])
+    right.set(ylabel="MFU (%)", title="model FLOPs utilization")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=20)
+
+
 # --------------------------------------------------------------------------- control panel
 
 
-class ControlPanel(w.VBox):
-    """Rerun a notebook's experiment with other settings and redraw its figure."""
+LR_CHOICES = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2]  # exact values: nothing snaps
 
-    def __init__(self, notebook: str, configs: dict[str, str], plot: Callable = plot_losses,
-                 selected: list[str] | None = None, steps: int = 20, lr: float = 3e-3):
-        self.notebook, self.configs, self.plot_fn, self.steps = notebook, configs, plot, steps
+
+class ControlPanel(w.VBox):
+    """Rerun a notebook's experiment with other settings and redraw its figure.
+
+    ``args`` is the notebook's own argument string, written as in its ``%%bash`` cell
+    (``"$ARGS --steps $STEPS"``) and expanded from the environment the notebook set. With the
+    controls untouched, ``command`` is the notebook's command token for token (only ``--out``
+    differs); a changed control replaces or adds its one flag.
+    """
+
+    def __init__(self, notebook: str, configs: dict[str, str], args: str = "--model tiny --steps 20",
+                 plot: Callable = plot_losses, selected: list[str] | None = None, ranks: int | None = None):
+        self.notebook, self.configs, self.plot_fn, self.args = notebook, configs, plot, args
+        self.base = shlex.split(os.path.expandvars(args))
+        defaults = TrainOptions()
+        self.steps = int(_flag(self.base, "--steps") or defaults.steps)
+        self.model_default = _flag(self.base, "--model") or defaults.model
+        lr = _flag(self.base, "--lr")
+        self.lr_default = float(lr) if lr is not None else defaults.lr
         self.modes = w.SelectMultiple(options=list(configs), value=tuple(selected or list(configs)[:2]),
                                       description="modes", rows=min(6, len(configs)))
-        sizes = nb.world_sizes([1, 2, 4])  # on a GPU node: up to its number of GPUs (one per nccl rank)
-        self.world = w.Dropdown(options=sizes, value=2 if 2 in sizes else sizes[-1], description="ranks")
-        self.model = w.Dropdown(options=["tiny", "small"], value="tiny", description="model")
-        self.lr = w.FloatLogSlider(value=lr, base=10, min=-5, max=-1, step=0.25, description="lr",
-                                   readout_format=".1e")
+        self.ranks_default = ranks or nb.nproc()
+        sizes = sorted(set(nb.world_sizes([1, 2, 4])) | {self.ranks_default})  # GPU node: up to its GPUs
+        self.world = w.Dropdown(options=sizes, value=self.ranks_default, description="ranks")
+        models = list(dict.fromkeys([self.model_default, "tiny", "small"]))
+        self.model = w.Dropdown(options=models, value=self.model_default, description="model")
+        rates = sorted(set(LR_CHOICES) | {self.lr_default})
+        self.lr = w.Dropdown(options=[(f"{v:g}", v) for v in rates], value=self.lr_default, description="lr")
         self.button = w.Button(description="Run", button_style="primary", icon="play")
         self.progress = w.IntProgress(value=0, min=0, max=1, description="idle", bar_style="")
         self.status = w.HTML("")
@@ -91,6 +134,9 @@ class ControlPanel(w.VBox):
         self.button.on_click(lambda _: self.run())
         super().__init__([w.HBox([self.modes, w.VBox([self.world, self.model, self.lr])]),
                           w.HBox([self.button, self.progress]), self.status, self.out])
+
+    def __repr__(self) -> str:  # what a saved notebook shows before the cell has run in this session
+        return f"(control panel of notebook {self.notebook}: run this cell to show it)"
 
     def jobs(self) -> list[tuple[str, str, Path]]:
         """(label, config, run dir) for the current selection; refuses what cannot run, with a reason."""
@@ -100,16 +146,24 @@ class ControlPanel(w.VBox):
             need = next((m.min_world_size for m in mapping.MODES.values() if m.config == cfg), 1)
             if self.world.value < need:
                 raise ValueError(f"{label} needs {need} ranks; ranks = {self.world.value}")
-            out.append((label, cfg, RUNS / f"panel_{self.notebook}_{i}"))
+            out.append((label, cfg, runs_dir() / f"panel_{self.notebook}_{i}"))
         if not out:
             raise ValueError("select at least one mode")
         return out
 
+    def train_args(self) -> list[str]:
+        """The notebook's arguments with the changed controls applied (``--config``/``--out`` aside)."""
+        toks = list(self.base)
+        if self.model.value != self.model_default:
+            _set_flag(toks, "--model", self.model.value)
+        if self.lr.value != self.lr_default:
+            _set_flag(toks, "--lr", repr(self.lr.value))
+        return toks
+
     def command(self, cfg: str, run_dir: Path) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={self.world.value}", "-m", "helpers.train", "--config", cfg,
-                "--out", str(run_dir), "--model", self.model.value, "--steps", str(self.steps),
-                "--lr", f"{self.lr.value:.6g}"]
+                "--nproc_per_node", str(self.world.value), "-m", "helpers.train", "--config", cfg,
+                "--out", str(run_dir), *self.train_args()]
 
     def run(self) -> list[results.Run]:
         """Launch the jobs one by one (progress follows metrics.jsonl), then redraw. Returns the runs."""
@@ -126,7 +180,7 @@ class ControlPanel(w.VBox):
             for n, (label, cfg, run_dir) in enumerate(jobs):
                 self.progress.description = f"{n + 1}/{len(jobs)}"
                 self.status.value = f"running <code>{label}</code> -> {run_dir}"
-                proc = subprocess.Popen(self.command(cfg, run_dir), cwd=REPO, env=env, text=True,
+                proc = subprocess.Popen(self.command(cfg, run_dir), cwd=nb.ROOT, env=env, text=True,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                 while proc.poll() is None:
                     self.progress.value = n * self.steps + _steps_done(run_dir)
@@ -160,6 +214,17 @@ def _show(out: w.Output, fig) -> None:
     plt.close(fig)
     out.outputs = ({"output_type": "display_data", "metadata": {},
                     "data": {"image/png": base64.b64encode(buf.getvalue()).decode(), "text/plain": "<figure>"}},)
+
+
+def _flag(toks: list[str], name: str) -> str | None:
+    return toks[toks.index(name) + 1] if name in toks[:-1] else None
+
+
+def _set_flag(toks: list[str], name: str, value: str) -> None:
+    if name in toks[:-1]:
+        toks[toks.index(name) + 1] = value
+    else:
+        toks += [name, value]
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -220,6 +285,9 @@ class MemoryEstimator(w.VBox):
                           self.out])
         self.redraw()
 
+    def __repr__(self) -> str:
+        return "(memory estimator: run this cell to show it)"
+
     def measured(self) -> list[results.Run]:
         """Notebook 01's runs of this pair at this world size (or at 2 ranks), when they exist."""
         keys = PAIRS[self.pair.value]
@@ -227,7 +295,7 @@ class MemoryEstimator(w.VBox):
             found = []
             for key in keys:
                 try:
-                    found.append(results.load_run(RUNS / f"01_{key}_{ws}"))
+                    found.append(results.load_run(runs_dir() / f"01_{key}_{ws}"))
                 except results.RunError:
                     pass
             if found:

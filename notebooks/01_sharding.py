@@ -305,10 +305,10 @@ assert translate.translate("launch_configs/fsdp/full_shard.yaml", "deepspeed").e
 # size of model: per-rank bytes for both backends, next to the measured bars of the runs above.
 
 # %%
-from helpers import widgets
+from helpers import mapping, widgets
 
 widgets.ControlPanel("01", {key: mode.config for key, mode in mapping.MODES.items()},
-                     plot=widgets.plot_memory, selected=["full_shard", "zero3"], steps=3)
+                     args="$JOB", plot=widgets.plot_memory, selected=["full_shard", "zero3"], ranks=2)
 
 # %%
 widgets.MemoryEstimator(num_params=7_000_000_000)

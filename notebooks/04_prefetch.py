@@ -309,3 +309,22 @@ print(f"ZeRO-3: {int(tab.loc['ZeRO-3 no prefetch', 'all_gathers'])} all-gathers 
       f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, gathered at once)")
 print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers, peak "
                             f"{utab.loc[k, 'peak_allocated_MB']:.1f} MB" for k in wr))
+
+# %% [markdown]
+# ## Optional: try other settings
+#
+# Nothing below is part of the story above, and nothing runs until you click **Run**. The
+# panel's defaults are this notebook's own command (`$ARGS`, profiled); it launches the selected configs
+# into its own run directories (`notebooks/runs/panel_04_*`) and redraws what rank 0 holds next to the losses. Try 4 ranks or the `small` model and compare the memory bars.
+
+# %%
+from helpers import widgets
+
+widgets.ControlPanel("04", {"FSDP no prefetch": "launch_configs/fsdp/full_shard_no_prefetch.yaml",
+                            "FSDP prefetch": "launch_configs/fsdp/full_shard_prefetch.yaml",
+                            "ZeRO-3 no prefetch": "launch_configs/deepspeed/zero3_no_prefetch.yaml",
+                            "ZeRO-3 prefetch": "launch_configs/deepspeed/zero3_prefetch.yaml",
+                            "FSDP size-based wrap": "launch_configs/fsdp/full_shard_size_wrap.yaml",
+                            "FSDP no wrap": "launch_configs/fsdp/full_shard_no_wrap.yaml"},
+                     args="$ARGS", plot=widgets.plot_memory,
+                     selected=["FSDP no prefetch", "FSDP prefetch"])

@@ -204,3 +204,19 @@ for n in WORLDS:
 #   init (partition on creation) keep the other ranks near their shard; rank 0 still reads it all.
 # * Weights loaded either way equal the file (checksums from every rank's shard).
 # * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict.
+
+# %% [markdown]
+# ## Optional: try other settings
+#
+# Nothing below is part of the story above, and nothing runs until you click **Run**. The
+# panel's defaults are this notebook's own command (one step of `$PRETRAINED` at 2 ranks); it launches the selected configs
+# into its own run directories (`notebooks/runs/panel_05_*`) and redraws what rank 0 holds after loading. Try 4 ranks, or ZeRO-3 init against naive loading.
+
+# %%
+from helpers import widgets
+
+widgets.ControlPanel("05", {"naive": "launch_configs/fsdp/full_shard.yaml",
+                            "RAM-efficient": "launch_configs/fsdp/full_shard_ram_efficient.yaml",
+                            "ZeRO-3 init": "launch_configs/deepspeed/zero3_init.yaml"},
+                     args="--model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32", plot=widgets.plot_memory,
+                     ranks=2)

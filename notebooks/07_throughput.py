@@ -279,3 +279,17 @@ recap.round(3)
 #   core (on an idle machine each runs at about half speed).
 # * Reproduce the harness's own cost: `python benchmarks/overhead.py` (harness vs minimal
 #   hand-written FSDP2 and DeepSpeed loops).
+
+# %% [markdown]
+# ## Optional: try other settings
+#
+# Nothing below is part of the story above, and nothing runs until you click **Run**. The
+# panel's defaults are this notebook's own command (the aligned pair, `tiny`, `$PAIR_STEPS` steps); it launches the selected configs
+# into its own run directories (`notebooks/runs/panel_07_*`) and redraws tokens/s per rank and MFU. Try the `small` model, or 1 and 4 ranks (on a CPU, ranks share the cores).
+
+# %%
+from helpers import widgets
+
+widgets.ControlPanel("07", {"FSDP": "launch_configs/fsdp/full_shard.yaml",
+                            "DeepSpeed": "launch_configs/deepspeed/zero3.yaml"},
+                     args="--model tiny --steps $PAIR_STEPS", plot=widgets.plot_throughput)

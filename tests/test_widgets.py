@@ -1,5 +1,12 @@
 """The optional notebook panels: built without launching anything; a click runs real jobs."""
 
+import ast
+import os
+import re
+import shlex
+from pathlib import Path
+
+import jupytext
 import matplotlib
 import pytest
 
@@ -42,3 +49,72 @@ def test_run_button_launches_and_redraws(tmp_path, monkeypatch):
     assert p.progress.value == p.progress.max == 3 and p.progress.bar_style == "success", p.status.value
     assert (tmp_path / "panel_t_0" / "summary.json").is_file()
     assert len(p.out.outputs) == 1 and "loss" in p.status.value
+
+
+# --------------------------------------------------------------------------- each notebook's panel = its own run
+
+REPO = Path(__file__).resolve().parents[1]
+PANEL_NOTEBOOKS = ["00_launching", "01_sharding", "02_precision", "03_offload", "04_prefetch", "05_loading",
+                   "07_throughput"]  # 06 relays one run through checkpoints: no single command to vary
+
+
+def _code_cells(name: str) -> list[str]:
+    nbk = jupytext.read(REPO / "notebooks" / f"{name}.py")
+    return [c.source for c in nbk.cells if c.cell_type == "code"]
+
+
+def _train_commands(cells: list[str]) -> list[tuple[list[str] | None, list[str]]]:
+    """(configs it runs or None when read from a file, its arguments after --out) for every helpers.train line."""
+    found = []
+    for src in (c for c in cells if c.startswith("%%bash")):
+        text = src.replace("\\\n", " ")
+        loops = dict(re.findall(r"for (\w+) in ([^;]+); do", text))
+        for line in text.splitlines():
+            if "-m helpers.train" not in line or "--out" not in line:
+                continue
+            toks = shlex.split(re.sub(r"\$\([^)]*\)", "X", line.split("|")[0]))  # $(basename ...) in --out
+            cfg, rest = toks[toks.index("--config") + 1], toks[toks.index("--out") + 2:]
+            configs = [cfg]
+            for var, values in loops.items():
+                if f"${var}" in cfg:
+                    configs = [c.replace(f"${var}", v) for c in configs for v in values.split()]
+            found.append((None if any("$" in c for c in configs) else configs, rest))
+    return found
+
+
+@pytest.mark.parametrize("name", PANEL_NOTEBOOKS)
+def test_each_panels_defaults_are_the_notebooks_own_command(name, monkeypatch):
+    monkeypatch.setenv("GUIDE_SIZE", "quick")
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the notebook's first cell exports its variables
+    monkeypatch.chdir(REPO)
+    cells = _code_cells(name)
+    scope: dict = {}
+    exec(cells[0], scope)  # noqa: S102 - the notebook's own set-up cell: STEPS, ARGS, ... as the notebook has them
+    panel_cells = [c for c in cells if "widgets.ControlPanel(" in c]
+    assert len(panel_cells) == 1, f"{name}: one panel cell expected"
+    tree = ast.parse(panel_cells[0])
+    exec(compile(ast.Module(tree.body[:-1], []), name, "exec"), scope)  # noqa: S102
+    panel = eval(compile(ast.Expression(tree.body[-1].value), name, "eval"), scope)  # noqa: S307
+    own = _train_commands(cells)
+    for label in panel.modes.value:
+        cfg = panel.configs[label]
+        assert any((cfgs is None or cfg in cfgs) and args == shlex.split(panel.args) for cfgs, args in own), \
+            f"{name}: the panel's {label} ({cfg}, {panel.args!r}) is not one of the notebook's commands: {own}"
+    cmd = panel.command(cfg, Path("d"))
+    assert cmd[cmd.index("--out") + 2:] == shlex.split(os.path.expandvars(panel.args))  # token for token
+    assert panel.world.value == 2 == int(cmd[cmd.index("--nproc_per_node") + 1])  # the notebooks' 2 CPU ranks
+    assert "$" not in " ".join(cmd), cmd
+
+
+def test_a_changed_control_changes_only_its_flag(monkeypatch):
+    monkeypatch.setenv("LR", "1e-05")
+    p = widgets.ControlPanel("t", {"FSDP": "launch_configs/fsdp/full_shard.yaml"}, args="--model tiny --lr $LR")
+    assert p.lr.value == 1e-05 and p.train_args() == ["--model", "tiny", "--lr", "1e-05"]  # not snapped
+    p.lr.value = 3e-3
+    p.model.value = "small"
+    assert p.train_args() == ["--model", "small", "--lr", "0.003"]
+    q = widgets.ControlPanel("t", {"FSDP": "launch_configs/fsdp/full_shard.yaml"}, args="--steps 5")
+    assert q.train_args() == ["--steps", "5"] and q.steps == 5  # the config's lr and model: no flag added
+    q.lr.value = 1e-2
+    assert q.train_args() == ["--steps", "5", "--lr", "0.01"]
+    assert "ControlPanel(children" not in q._repr_mimebundle_()["text/plain"]

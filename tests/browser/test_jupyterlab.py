@@ -1,13 +1,15 @@
-"""JupyterLab in a real browser: open notebooks/00_launching.py through jupytext, run every cell.
+"""JupyterLab in a real browser: run notebook 00 from a working copy, autosave on; the repo stays clean.
 
     make test-browser        # sets GUIDE_BROWSER_TEST=1; skipped otherwise (make test does not run it)
 
-Starts ``jupyter lab`` from this Python's bin/ on a free localhost port, serving a copy of the
-notebook (so JupyterLab can never save over the repo's files), drives headless Chromium (Debian's
-``chromium``, found on PATH or $CHROMIUM) with Playwright, opens the ``.py`` with the "Jupytext
-Notebook" factory, runs all cells under ``GUIDE_SIZE=quick``, and checks from the notebook model that
-no cell errored and that a figure rendered, and from the page that the optional ipywidgets panel at
-the end rendered. A screenshot lands in the test's tmp dir.
+Makes a working copy as ``make lab`` does (``python -m helpers.workcopy``, here in
+``work/browser-test/``, ignored by git), starts ``jupyter lab`` on it from this Python's bin/ on a
+free localhost port with autosave on (every 2 s), drives headless Chromium (Debian's ``chromium``,
+found on PATH or $CHROMIUM) with Playwright, opens ``notebooks/00_launching.ipynb`` as a learner
+would, runs all cells under ``GUIDE_SIZE=quick``, and checks from the notebook model that no cell
+errored and that a figure rendered, from the page that the optional panel rendered, that autosave
+wrote the copy, that the jobs wrote their runs inside the copy, and that ``git status --porcelain``
+is what it was before. A screenshot lands in the test's tmp dir.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-NOTEBOOK = "notebooks/00_launching.py"
+NOTEBOOK = "notebooks/00_launching.ipynb"
+WORK = REPO / "work" / "browser-test"
 
 pytestmark = pytest.mark.skipif(os.environ.get("GUIDE_BROWSER_TEST") != "1",
                                 reason="browser test: run it with make test-browser")
@@ -47,12 +50,12 @@ def chromium() -> str:
 @pytest.fixture
 def lab(tmp_path):
     """A JupyterLab server on a free port, serving a copy of the notebook; yields its base URL."""
-    root = tmp_path / "root"
-    (root / "notebooks").mkdir(parents=True)
-    shutil.copy(REPO / NOTEBOOK, root / NOTEBOOK)
+    shutil.rmtree(WORK, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "helpers.workcopy", "--dir", str(WORK)], cwd=REPO, check=True)
+    root = WORK
     settings = tmp_path / "settings" / "@jupyterlab" / "docmanager-extension"
     settings.mkdir(parents=True)
-    (settings / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
+    (settings / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": True, "autosaveInterval": 2}))
     news = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     news.mkdir(parents=True)
     (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
@@ -88,13 +91,14 @@ def lab(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
         log.close()
+        shutil.rmtree(WORK, ignore_errors=True)
 
 
 # In the page: open the .py as a notebook through jupytext, wait for the kernel, run all cells,
 # then report every cell's outputs from the model (not from the DOM).
 OPEN_AND_RUN = """async (path) => {
   const app = window.jupyterapp;
-  const panel = await app.commands.execute('docmanager:open', {path, factory: 'Jupytext Notebook'});
+  const panel = await app.commands.execute('docmanager:open', {path});
   await panel.context.ready;
   await panel.sessionContext.ready;
   app.shell.activateById(panel.id);
@@ -111,8 +115,15 @@ OPEN_AND_RUN = """async (path) => {
 }"""
 
 
+def git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout
+
+
 def test_notebook_runs_in_jupyterlab(lab, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api")
+    before, copy = git_status(), WORK / NOTEBOOK
+    copied = copy.read_text()
     url, token = lab
     t0 = time.perf_counter()
     with sync_api.sync_playwright() as pw:
@@ -128,6 +139,10 @@ def test_notebook_runs_in_jupyterlab(lab, tmp_path):
             page.wait_for_selector(".jp-RenderedImage img", timeout=30_000)
             page.wait_for_selector(".jupyter-button", timeout=30_000)  # the optional panel rendered (ipywidgets)
             page.locator(".jp-RenderedImage img").first.scroll_into_view_if_needed()
+            for _ in range(30):  # autosave (every 2 s) writes the copy with this session's outputs
+                if copy.read_text() != copied:
+                    break
+                time.sleep(1)
         finally:
             page.screenshot(path=str(tmp_path / "jupyterlab.png"), full_page=True)
             browser.close()
@@ -139,3 +154,7 @@ def test_notebook_runs_in_jupyterlab(lab, tmp_path):
     assert code and all(c["count"] for c in code), "some code cells did not run"
     assert any("image/png" in o["mimes"] for c in code for o in c["outputs"]), "no figure was rendered"
     assert (tmp_path / "jupyterlab.png").stat().st_size > 10_000
+    assert copy.read_text() != copied, "autosave did not write the working copy"
+    assert (WORK / "notebooks/runs/00_fsdp/summary.json").is_file(), "the jobs did not write into the copy"
+    assert not (WORK / "notebooks/00_launching.py").exists()  # unpaired: no .py written beside it
+    assert git_status() == before, f"running the notebook changed the repo:\n{git_status()}"

@@ -315,7 +315,9 @@ def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPO
             if rep and shard and rep * shard != world_size:
                 c.fail(
                     f"parallelism_config: dp_replicate_size ({rep}) x dp_shard_size ({shard}) = "
-                    f"{rep * shard}, but the job has {world_size} ranks"
+                    f"{rep * shard}, but the job has {world_size} ranks; run it on {rep * shard} ranks "
+                    f"(--nproc_per_node {rep * shard}), or on {world_size} use fsdp/full_shard.yaml (one "
+                    "shard group) or set the two sizes so that their product is the rank count"
                 )
             if world_size % size or size == world_size:
                 c.fail(
@@ -454,7 +456,9 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
             c.fail(f"zero_optimization.zero_hpz_partition_size = {hpz!r}: expected an integer >= 1")
         if hpz > 1 and world_size is not None and (world_size % hpz or hpz == world_size):
             c.fail(f"zero_optimization.zero_hpz_partition_size = {hpz}: must divide the world size "
-                   f"({world_size}) into 2 or more groups (hpZ needs {2 * hpz} ranks here)")
+                   f"({world_size}) into 2 or more groups (hpZ needs {2 * hpz} ranks here); run it on "
+                   f"{2 * hpz} ranks (--nproc_per_node {2 * hpz}), or on {world_size} use deepspeed/zero3.yaml "
+                   "(no secondary groups)")
     if world_size is not None and world_size < 1:
         c.fail(f"world size {world_size}: must be >= 1")
     job.train.model_dtype = resolve_model_dtype(c, job)

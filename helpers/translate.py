@@ -100,8 +100,9 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
     left.pop("fsdp_version", None)  # FSDP1 vs FSDP2 spelling: no meaning for DeepSpeed
     t.notes += [n for n in job.notes if "fsdp_version" not in n]  # legacy spellings that were read
     if "fsdp_backward_prefetch_policy" in (raw.get("fsdp_config") or {}):
-        t.warnings.append("fsdp_config.fsdp_backward_prefetch_policy: ignored by Accelerate and by this guide; "
-                          "nothing to translate (nearest: DeepSpeed's default prefetching)")
+        t.warnings.append("fsdp_config.fsdp_backward_prefetch_policy: an old spelling that Accelerate and this guide "
+                          "ignore, so it changed nothing in FSDP either. Nothing to do: DeepSpeed prefetches by "
+                          "default")
     warn = t.warnings.append
 
     # sharding: through the mode table
@@ -115,21 +116,24 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
     if stage == 3:  # ZeRO-3 otherwise swaps torch's F.linear for one that adds the bias in a second rounding
         zo["memory_efficient_linear"] = False
     if o.sharding == "HYBRID_SHARD_ZERO2":
-        warn("sharding HYBRID_SHARD_ZERO2: DeepSpeed has no hybrid ZeRO-2; nearest: ZeRO-2 across all ranks")
+        warn("sharding HYBRID_SHARD_ZERO2: DeepSpeed has no hybrid ZeRO-2 (shard within a group, replicate "
+             "across groups). Written: ZeRO-2 across all ranks, which shards over every rank instead")
     elif not exact:
-        warn(f"sharding {o.sharding}: nearest is {target.zero} (zero_optimization.stage {stage}"
-             f"{', zero_hpz_partition_size' if target.key == 'zero3_hpz' else ''}), not the same: "
-             f"{_gap(MODES[key], target)}")
+        warn(f"sharding {o.sharding}: DeepSpeed has no exact counterpart. Written: the nearest, {target.zero} "
+             f"(zero_optimization.stage {stage}{', zero_hpz_partition_size' if target.key == 'zero3_hpz' else ''})"
+             f". What differs: {_gap(MODES[key], target)}. Nothing to do to train the same model; what each "
+             "rank holds differs (notebook 01 measures it)")
     if target.key == "zero3_hpz":
         size = o.hybrid_shard_size or _ranks_per_node(raw)
         if size:
             zo["zero_hpz_partition_size"] = size
         else:
-            warn("parallelism_config: no shard group size to give hpZ; nearest: plain ZeRO-3 (set "
-                 "zero_optimization.zero_hpz_partition_size to the GPUs per node)")
+            warn("parallelism_config: the file gives no shard group size for hpZ. Written: plain ZeRO-3. To "
+                 "get hpZ, set zero_optimization.zero_hpz_partition_size to the GPUs per node")
     for k in par:
         if target.key != "zero3_hpz" and k != "parallelism_config_dp_replicate_size":
-            warn(f"parallelism_config.{k} = {par[k]}: no DeepSpeed counterpart here; dropped")
+            warn(f"parallelism_config.{k} = {par[k]}: DeepSpeed has no such setting here, so it was left out. "
+                 "Nothing to do unless you relied on it")
 
     # offload: FSDP moves params, grads and optimizer states together
     if left.pop("fsdp_offload_params", False) is not False and o.offload_params:
@@ -138,73 +142,82 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
             zo["offload_optimizer"] = {"device": "cpu"}
         elif stage > 0:
             zo["offload_optimizer"] = {"device": "cpu"}
-            warn(f"fsdp_offload_params = true under {o.sharding}: ZeRO-{stage} can offload the optimizer "
-                 "(and its gradients) but not params; nearest: offload_optimizer cpu only")
+            warn(f"fsdp_offload_params = true under {o.sharding}: FSDP moves params, gradients and optimizer "
+                 f"states to the host; ZeRO-{stage} can move only the optimizer (and its gradients). Written: "
+                 "offload_optimizer cpu. To offload params too, use ZeRO-3 (fsdp_reshard_after_forward: true)")
         else:
-            warn("fsdp_offload_params = true under NO_SHARD: ZeRO-0 cannot offload; nearest: no offload "
-                 "(ZeRO-1 and up offload the optimizer)")
+            warn("fsdp_offload_params = true under NO_SHARD: ZeRO-0 cannot offload anything. Written: no "
+                 "offload. To offload, shard: ZeRO-1 and up move the optimizer, ZeRO-3 the params too")
 
     # loading
     loading = left.pop("fsdp_cpu_ram_efficient_loading", None)
     init_flag = bool(o.cpu_ram_efficient_loading and stage == 3)
     if o.cpu_ram_efficient_loading and stage != 3:
-        warn(f"fsdp_cpu_ram_efficient_loading = true: zero3_init_flag only exists for ZeRO-3, this is ZeRO-{stage}; "
-             "nearest: false (every rank builds the full model)")
+        warn(f"fsdp_cpu_ram_efficient_loading = true: its DeepSpeed counterpart, zero3_init_flag, works only "
+             f"under ZeRO-3, and this is ZeRO-{stage}. Written: false, so every rank loads the whole model. To "
+             "load without that, use ZeRO-3")
     del loading
     sync = left.pop("fsdp_sync_module_states", None)
     if sync is not None and not o.sync_module_states:
-        warn("fsdp_sync_module_states = false: DeepSpeed always broadcasts rank 0's weights at initialize; "
-             "nearest: that")
+        warn("fsdp_sync_module_states = false: DeepSpeed always broadcasts rank 0's weights when it starts, "
+             "and has no setting to skip it. Nothing to do: the ranks start from the same weights either way")
 
     # checkpoint format
     sdt = left.pop("fsdp_state_dict_type", None)
     save16 = o.state_dict_type == "FULL_STATE_DICT"
     if save16 and sdt is not None:
         if stage < 3:
-            warn(f"fsdp_state_dict_type = FULL_STATE_DICT under ZeRO-{stage}: the module is whole on every rank "
-                 "and DeepSpeed saves it in its own dtype (bf16 with bf16 on); zero3_save_16bit_model is "
-                 "ZeRO-3 only; nearest: false")
+            warn(f"fsdp_state_dict_type = FULL_STATE_DICT under ZeRO-{stage}: DeepSpeed's one-file save, "
+                 "zero3_save_16bit_model, is a ZeRO-3 setting. Written: false; ZeRO-0 to 2 keep the whole module "
+                 "on every rank and save it in its own dtype (bf16). For one fp32 file, run "
+                 "python -m helpers.convert CKPT OUT --to hf on the checkpoint")
             save16 = False
         elif job.mixed_precision == "bf16":
-            warn("fsdp_state_dict_type = FULL_STATE_DICT: FSDP (bf16 mixed precision) consolidates fp32 weights, "
-                 "zero3_save_16bit_model consolidates bf16; nearest: true (fp32: zero_to_fp32 on the checkpoint)")
+            warn("fsdp_state_dict_type = FULL_STATE_DICT: FSDP writes the whole model in fp32, DeepSpeed's "
+                 "zero3_save_16bit_model in bf16. Written: zero3_save_16bit_model true. For fp32 weights, run "
+                 "python -m helpers.convert CKPT OUT --to hf on the checkpoint")
 
     # prefetch hints
     fwd, bwd = left.pop("fsdp_forward_prefetch", None), left.pop("fsdp_backward_prefetch", None)
     if fwd is not None or bwd is not None:
         if o.backward_prefetch == "NO_PREFETCH" and not o.forward_prefetch and stage == 3:
             zo["stage3_prefetch_bucket_size"] = 0
-            warn("fsdp_backward_prefetch = NO_PREFETCH: nearest is stage3_prefetch_bucket_size 0, which also "
-                 "stops forward prefetching (a hint: losses do not change)")
+            warn("fsdp_backward_prefetch = NO_PREFETCH: DeepSpeed cannot turn off backward prefetching alone. "
+                 "Written: stage3_prefetch_bucket_size 0, which also stops forward prefetching. Losses do not "
+                 "change; only when parameters are gathered does")
         else:
+            what = ("prefetches a bucket of bytes ahead in forward and backward (stage3_prefetch_bucket_size)"
+                    if stage == 3 else "has nothing to prefetch below ZeRO-3 (the params are whole)")
             warn(f"fsdp_forward_prefetch = {o.forward_prefetch}, fsdp_backward_prefetch = {o.backward_prefetch}: "
-                 "DeepSpeed prefetches a bucket of bytes in forward and backward "
-                 f"({'stage3_prefetch_bucket_size' if stage == 3 else 'nothing to prefetch below ZeRO-3'}); "
-                 "nearest: its default (a hint: losses do not change)")
+                 f"FSDP prefetches one module ahead; DeepSpeed {what}. Written: DeepSpeed's default. Losses do "
+                 "not change; tune stage3_prefetch_bucket_size on a GPU if the all-gathers show in a trace")
 
     # wrapping and the rest
     policy = left.pop("fsdp_auto_wrap_policy", None)
     if policy is not None and o.auto_wrap_policy != "TRANSFORMER_BASED_WRAP":
-        warn(f"fsdp_auto_wrap_policy = {o.auto_wrap_policy}: DeepSpeed has no wrap policy (ZeRO-3 gathers each "
-             "block's params as it runs); nearest: its default")
+        warn(f"fsdp_auto_wrap_policy = {o.auto_wrap_policy}: DeepSpeed has no wrap policy; ZeRO-3 gathers each "
+             "module's params as it runs. Nothing written, nothing to do; the size of what ZeRO-3 gathers at once "
+             "is set by stage3_prefetch_bucket_size")
     for k in ("fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params"):
         if k in left:
-            warn(f"fsdp_config.{k} = {left.pop(k)!r}: no DeepSpeed key (no wrap policy); dropped")
+            warn(f"fsdp_config.{k} = {left.pop(k)!r}: DeepSpeed has no wrap policy, so this was left out. "
+                 "Nothing to do")
     if left.pop("fsdp_activation_checkpointing", False) and o.activation_checkpointing:
-        warn("fsdp_activation_checkpointing = true: no DeepSpeed config key; nearest: call "
-             "model.gradient_checkpointing_enable() in the script")
+        warn("fsdp_activation_checkpointing = true: DeepSpeed's config has no key that turns it on for the "
+             "model. What to do: call model.gradient_checkpointing_enable() in your training script")
     if "fsdp_use_orig_params" in left and not left.pop("fsdp_use_orig_params"):
-        warn("fsdp_use_orig_params = false: FSDP1 flat params; DeepSpeed (and FSDP2) train the original "
-             "parameters; nearest: that")
+        warn("fsdp_use_orig_params = false: FSDP1's flattened parameters; DeepSpeed (like FSDP2) always trains "
+             "the original parameters. Nothing to do")
     left.pop("fsdp_use_orig_params", None)
     for k, v in left.items():
-        warn(f"fsdp_config.{k} = {v!r}: no DeepSpeed counterpart in helpers.mapping; dropped")
+        warn(f"fsdp_config.{k} = {v!r}: the guide knows no DeepSpeed counterpart, so it was left out. Check "
+             "DeepSpeed's documentation if you relied on it")
 
     # precision, accumulation, clipping
     if job.mixed_precision == "no":
-        warn("mixed_precision = no: FSDP then trains the model in the dtype it was loaded in (bf16 by default: "
-             "bf16 params, grads and Adam states); DeepSpeed with bf16 on always keeps an fp32 master; nearest: "
-             "bf16.enabled false = fp32 training, which is this file under --model-dtype fp32")
+        warn("mixed_precision = no: FSDP then trains in the dtype the model was loaded in (bf16 by default: "
+             "bf16 params, gradients and Adam states); DeepSpeed with bf16 on always keeps an fp32 master. "
+             "Written: bf16.enabled false (fp32 training). For the same run, train both with --model-dtype fp32")
     js = {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
@@ -219,13 +232,17 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
 
 
 def _gap(src, dst) -> str:
-    """What differs between two modes, from the mapping data: sharded categories, then the modes' notes."""
+    """What differs between two modes, in sentences, from the mapping data: what one shards and the other
+    keeps whole on every rank, then the modes' notes."""
     def name(m):
         return m.fsdp1 if m.backend == "fsdp" else m.zero
 
-    parts = [f"{c} sharded by {name(a)}, full on every rank with {name(b)}"
-             for a, b in ((src, dst), (dst, src)) for c in CATEGORIES if c in a.sharded and c not in b.sharded]
-    return "; ".join(parts + [f"{name(m)}: {m.note}" for m in (src, dst) if m.note])
+    parts = []
+    for a, b in ((dst, src), (src, dst)):
+        extra = [c.replace("_", " ") for c in CATEGORIES if c in a.sharded and c not in b.sharded]
+        if extra:
+            parts.append(f"{name(a)} shards the {' and '.join(extra)}, which {name(b)} keeps whole on every rank")
+    return "; ".join(parts + [f"under {name(m)}, {m.note}" for m in (dst, src) if m.note])
 
 
 def _ranks_per_node(raw: dict) -> int | None:
@@ -263,7 +280,9 @@ def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
     par = None
     if not exact:
         warn(f"zero_optimization.stage {d.zero_stage}{f' + zero_hpz_partition_size {hpz}' if hpz else ''}: "
-             f"nearest is {target.fsdp1} ({target.fsdp2}), not the same: {_gap(MODES[key], target)}")
+             f"FSDP has no exact counterpart. Written: the nearest, {target.fsdp1} ({target.fsdp2}). What "
+             f"differs: {_gap(MODES[key], target)}. Nothing to do to train the same model; what each rank holds "
+             "differs (notebook 01 measures it)")
     if target.key == "hybrid_shard":
         n = raw.get("num_processes")
         par = {"parallelism_config_dp_shard_size": hpz}
@@ -277,27 +296,30 @@ def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
     offload = any(v != "none" for v in dev.values())
     if offload and not (dev["param"] == dev["optimizer"] == "cpu"):
         what = ", ".join(f"offload_{w} {v}" for w, v in dev.items() if v != "none")
-        warn(f"{what}: FSDP offloads params, grads and optimizer states together, to CPU only (no nvme, "
-             "no param-only or optimizer-only); nearest: fsdp_offload_params true")
+        warn(f"{what}: FSDP offloads params, gradients and optimizer states together, and to the host only "
+             "(no NVMe, no param-only or optimizer-only offload). Written: fsdp_offload_params true, which moves "
+             "all three to host memory")
     for w, sub in devs.items():
         extra = {k: v for k, v in sub.items() if k != "device"}
         if extra:
-            warn(f"offload_{w} {extra}: no FSDP counterpart (FSDP offload has no buffers or paths); dropped")
+            warn(f"offload_{w} {extra}: FSDP's offload has no buffers, paths or such settings, so these were "
+                 "left out. Nothing to do")
     fc["fsdp_offload_params"] = offload
 
     # checkpoint format and loading
     save16 = bool(zo.pop("stage3_gather_16bit_weights_on_model_save", False))
     if save16 and d.zero_stage < 3:
-        warn(f"stage3_gather_16bit_weights_on_model_save under ZeRO-{d.zero_stage}: a ZeRO-3 setting; "
-             "nearest: FULL_STATE_DICT")
+        warn(f"stage3_gather_16bit_weights_on_model_save under ZeRO-{d.zero_stage}: a ZeRO-3 setting, which "
+             "does nothing here. Written: fsdp_state_dict_type FULL_STATE_DICT, FSDP's one-file save")
     elif save16 and job.mixed_precision == "bf16":
-        warn("zero3_save_16bit_model: DeepSpeed consolidates bf16 weights, FSDP's FULL_STATE_DICT fp32 ones "
-             "(bf16 mixed precision keeps fp32 shards); nearest: FULL_STATE_DICT")
+        warn("zero3_save_16bit_model: DeepSpeed writes the whole model in bf16, FSDP's FULL_STATE_DICT in fp32 "
+             "(its shards are fp32 under bf16 mixed precision). Written: FULL_STATE_DICT; the file is twice "
+             "the size")
     fc["fsdp_state_dict_type"] = "FULL_STATE_DICT" if save16 else "SHARDED_STATE_DICT"
     init = sec.pop("zero3_init_flag", None)
     if d.zero3_init_flag and d.zero_stage < 3:
-        warn(f"zero3_init_flag = true under ZeRO-{d.zero_stage}: Accelerate ignores it below ZeRO-3; "
-             "nearest: fsdp_cpu_ram_efficient_loading false")
+        warn(f"zero3_init_flag = true under ZeRO-{d.zero_stage}: Accelerate ignores it below ZeRO-3, so it "
+             "changed nothing. Written: fsdp_cpu_ram_efficient_loading false")
     fc["fsdp_cpu_ram_efficient_loading"] = bool(d.zero3_init_flag and d.zero_stage == 3)
     del init
     if fc["fsdp_cpu_ram_efficient_loading"]:
@@ -309,66 +331,75 @@ def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
         if bucket == 0:
             fc["fsdp_backward_prefetch"] = "NO_PREFETCH"
         warn(f"zero_optimization.stage3_prefetch_bucket_size = {bucket}: FSDP2 prefetches one module ahead, not "
-             f"by bytes; nearest: {'fsdp_backward_prefetch NO_PREFETCH' if bucket == 0 else 'its default'} "
-             "(a hint: losses do not change)")
+             f"a number of bytes. Written: {'fsdp_backward_prefetch NO_PREFETCH' if bucket == 0 else 'its default'}."
+             " Losses do not change; only when parameters are gathered does")
     mel = zo.pop("memory_efficient_linear", True)
     if d.zero_stage == 3 and mel is not False:
-        warn(f"zero_optimization.memory_efficient_linear = {mel!r} (DeepSpeed's default): ZeRO-3 replaces torch's "
-             "F.linear with one that adds the bias in a second bf16 rounding; FSDP keeps torch's, so layers with "
-             "biases (Qwen2, GPT-NeoX, ...) part in the last bits from step 1; nearest: torch's (false)")
+        warn(f"zero_optimization.memory_efficient_linear = {mel!r} (DeepSpeed's default): ZeRO-3 then replaces "
+             "torch's F.linear with one that adds the bias in a second bf16 rounding, so models with biased layers "
+             "(Qwen2, GPT-NeoX, ...) part from FSDP in the last bits from step 1. FSDP has no such switch; for "
+             "identical runs set memory_efficient_linear to false on the DeepSpeed side")
     for k, v in zo.items():
-        warn(f"zero_optimization.{k} = {v!r}: no FSDP knob; dropped")
+        warn(f"zero_optimization.{k} = {v!r}: FSDP has no such setting, so it was left out. Nothing to do")
 
     # precision
     bf16 = (js.pop("bf16", None) or {}).get("enabled")
     js.pop("fp16", None)  # helpers.config refuses fp16 enabled
     if bf16 == "auto":
-        warn("bf16.enabled = auto: filled at launch (on unless --model-dtype fp32); nearest: mixed_precision bf16")
+        warn("bf16.enabled = auto: the job decides at launch (on, unless --model-dtype fp32). Written: "
+             "mixed_precision bf16, the same unless you train with --model-dtype fp32")
     if job.mixed_precision == "no":
-        warn("bf16.enabled = false: DeepSpeed trains fp32; FSDP's mixed_precision no trains in the dtype the "
-             "model was loaded in (bf16 by default); nearest: mixed_precision no, run with --model-dtype fp32")
+        warn("bf16.enabled = false: DeepSpeed trains in fp32; FSDP's mixed_precision no trains in the dtype the "
+             "model was loaded in (bf16 by default). Written: mixed_precision no. For the same run, pass "
+             "--model-dtype fp32")
     dt = js.pop("data_types", None)
     comm = js.pop("communication_data_type", None)
     if dt or comm:
-        warn(f"data_types {dt or {}} / communication_data_type {comm}: FSDP here reduces in bf16 under bf16 "
-             "mixed precision, and no fsdp_config key changes it; nearest: that")
+        warn(f"data_types {dt or {}} / communication_data_type {comm}: FSDP here reduces gradients in bf16 under "
+             "bf16 mixed precision, and no fsdp_config key changes that. Nothing written; with other reduce "
+             "dtypes the two backends round gradients differently")
 
     # batch, accumulation, clipping: script settings on the FSDP side
     for k, flag in (("train_micro_batch_size_per_gpu", "--micro-batch"), ("gradient_accumulation_steps",
                                                                          "--grad-accum")):
         v = js.pop(k, "auto")
         if v != "auto":
-            warn(f"{k} = {v}: no fsdp_config key (the script's setting); nearest: pass {flag} {v}")
+            warn(f"{k} = {v}: FSDP leaves this to the training script. What to do: pass {flag} {v} to the job")
     tbs = js.pop("train_batch_size", "auto")
     if tbs != "auto":
-        warn(f"train_batch_size = {tbs}: no fsdp_config key; it is micro-batch x accumulation x ranks")
+        warn(f"train_batch_size = {tbs}: FSDP leaves this to the training script; it is micro-batch x "
+             "accumulation x ranks. What to do: pick --micro-batch and --grad-accum that multiply to it")
     clip = js.pop("gradient_clipping", None)
     if clip is None:
         warn("gradient_clipping is not set, so DeepSpeed clips at its default 1.0; FSDP clips only when the "
-             "script does; nearest: pass --grad-clip 1.0")
+             "script does. What to do: pass --grad-clip 1.0 to the FSDP job for the same training")
     elif clip not in ("auto", 0, 0.0):
-        warn(f"gradient_clipping = {clip}: no fsdp_config key (the script clips); nearest: pass --grad-clip {clip}")
+        warn(f"gradient_clipping = {clip}: FSDP leaves clipping to the training script. What to do: pass "
+             f"--grad-clip {clip} to the job")
 
     # optimizer and scheduler from the JSON (DummyOptim pattern)
     for k in ("optimizer", "scheduler"):
         if k in js:
             v = js.pop(k)
-            warn(f"{k} {v.get('type')} {v.get('params', {})}: with FSDP the script builds it (this guide: AdamW, "
-                 "constant --lr); nearest: pass --lr" + (f" {v['params']['lr']}" if k == "optimizer" and
-                                                         v.get("params", {}).get("lr") not in (None, "auto") else ""))
+            lr = v.get("params", {}).get("lr") if k == "optimizer" else None
+            todo = f"pass --lr {lr}" if lr not in (None, "auto") else "pass --lr to set the learning rate"
+            warn(f"{k} {v.get('type')} {v.get('params', {})}: with FSDP the training script builds the {k} (this "
+                 f"guide's: AdamW at a constant --lr). What to do: {todo}")
 
     for k in sorted(js):
         if k in _DS_LOGGING:
             t.notes.append(f"{k}: changes only what DeepSpeed logs, not training; FSDP has no such setting, "
                            "nothing to do")
         else:
-            warn(f"{k} = {js[k]!r}: no FSDP counterpart in helpers.mapping; dropped")
+            warn(f"{k} = {js[k]!r}: the guide knows no FSDP counterpart, so it was left out. Check FSDP's "
+                 "documentation if you relied on it")
     for k, v in sec.items():
         if k in _DS_LAUNCHER:
-            t.notes.append(f"deepspeed_config.{k} = {v!r}: DeepSpeed launcher setting; FSDP runs under "
-                           "torchrun/accelerate launch")
+            t.notes.append(f"deepspeed_config.{k} = {v!r}: a setting of DeepSpeed's launcher; FSDP jobs start "
+                           "with torchrun or accelerate launch, nothing to do")
         else:
-            warn(f"deepspeed_config.{k} = {v!r}: no FSDP counterpart; dropped")
+            warn(f"deepspeed_config.{k} = {v!r}: FSDP has no such setting, so it was left out. Nothing to do "
+                 "unless you relied on it")
 
     t.yaml = {**_launch_keys(raw), "distributed_type": "FSDP", "mixed_precision": job.mixed_precision,
               "fsdp_config": fc, **({"parallelism_config": par} if par else {})}

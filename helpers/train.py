@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     local_rank = _env_int("LOCAL_RANK", 0)
 
     # ---- validate everything before any process group or file exists
-    from .config import load_job_config
+    from .config import load_job_config, unapplied_notes
     from .guard import JobGuard
 
     overrides = {k: getattr(args, k) for k in ("model", "steps", "lr", "seed", "micro_batch", "seq_len",
@@ -215,7 +215,8 @@ def main(argv=None) -> int:
                    "dist_backend": dist_backend, "out": args.out})
         run.log(f"[{job.backend}] {summary['mode']} mixed_precision={job.mixed_precision} "
                 f"world_size={world_size} device={summary['device']} ({dist_backend})")
-        for note in job.notes + ([f"filled DeepSpeed 'auto': {', '.join(ds_filled)}"] if ds_filled else []):
+        for note in job.notes + unapplied_notes(job) + (
+                [f"filled DeepSpeed 'auto': {', '.join(ds_filled)}"] if ds_filled else []):
             run.log(f"note: {note}")
         peak_flops, peak_source = device_peak(device, compute_dtype(job), args.peak_tflops)
         run.log(f"peak {fmt_flops(peak_flops)} per device ({peak_source})" if peak_flops

@@ -105,8 +105,9 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
         return int(f.name.split("zero_pp_rank_")[1].split("_")[0])
 
     optim_files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"), key=rank_of)
-    model_files = sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=rank_of)
-    if len(optim_files) != ws or len(model_files) != ws:
+    model_files = (sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=rank_of) if stage == 3
+                   else [model_file])  # ZeRO 1-2: one model states file for all ranks
+    if len(optim_files) != ws or len(model_files) != (ws if stage == 3 else 1):
         raise CheckpointError(f"checkpoint {where}: partial checkpoint ({len(optim_files)} optimizer and "
                               f"{len(model_files)} model state files for {ws} ranks)")
     ranks = [safeload.load(f, "deepspeed")["optimizer_state_dict"] for f in optim_files]

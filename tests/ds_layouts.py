@@ -1,16 +1,18 @@
-"""Build a DeepSpeed checkpoint with the layouts the guide's own jobs never write, and resume one.
+"""Build DeepSpeed checkpoints in layouts the guide's own jobs never write, convert them both ways, resume.
 
-    torchrun --standalone --nproc_per_node 2 tests/ds_layouts.py save  OUT STAGE   # 3 steps, checkpoint after 2
-    torchrun --standalone --nproc_per_node 2 tests/ds_layouts.py resume OUT STAGE STATE  # import STATE, step 3
+    torchrun --standalone --nproc_per_node 2 tests/ds_layouts.py OUT STAGE
 
 The model is the tiny Llama with tied embeddings (``lm_head.weight`` is ``embed_tokens.weight``: one of
 DeepSpeed's ``shared_params``) and a frozen MLP in block 0 (``frozen_param_shapes``). ZeRO-3 runs with a
-``sub_group_size`` small enough to cut each rank's partition into several sub-groups; ZeRO-1/2 with
-world size 2 pad each group to an alignment. ``save`` writes OUT/step_2 (DeepSpeed's files in the guide's
-checkpoint layout, with its meta.json), OUT/truth.pt
-(every trainable parameter's fp32 master and Adam state, read from the live engine after step 2) and
-OUT/loss3_save.json (the loss of step 3); ``resume`` writes OUT/loss3_resume.json from an engine that imported
-STATE (a consolidated state, helpers.convert's layout) through helpers.checkpoint._import_deepspeed.
+``sub_group_size`` small enough to cut each rank's partition into several sub-groups; under ZeRO-1/2,
+``parameter_alignment`` pads each parameter whose size is not a multiple of 8 (the 6-element k/v biases)
+in the flat buffer: DeepSpeed's ``param_alignment_paddings``. Two steps, then:
+
+- OUT/step_2: DeepSpeed's checkpoint in the guide's layout (its files in ds/ds, and meta.json);
+- OUT/truth.pt: every trainable parameter's fp32 master and Adam state, read from the live engine;
+- OUT/to_fsdp, OUT/back: ``helpers.convert`` of step_2 to FSDP (DCP), and of that back to DeepSpeed;
+- step 3 twice: by the engine that saved (OUT/loss3_save.json), and by a fresh engine that imported
+  OUT/back/full.pt through helpers.checkpoint (OUT/loss3_resume.json). Exact resume: the two are equal.
 """
 
 import json
@@ -28,7 +30,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from helpers import safeload  # noqa: E402
 from helpers.models import model_config, resolve_model  # noqa: E402
 
-SUB_GROUP = 60_000  # elements: each rank's ~150k-element ZeRO-3 partition falls into 3 sub-groups
+SUB_GROUP = 20_000  # elements: each rank's ZeRO-3 partition falls into several sub-groups
 FROZEN = "model.layers.0.mlp."
 
 
@@ -36,6 +38,7 @@ def build(stage: int, state: dict | None = None):
     torch.manual_seed(0)
     cfg = model_config(resolve_model("tiny"))
     cfg.tie_word_embeddings = True
+    cfg.attention_bias, cfg.head_dim, cfg.num_key_value_heads = True, 6, 1  # 6-element k/v biases: paddings
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     if state is not None:  # weights before initialize, as helpers.checkpoint.before_backend does
         missing = model.load_state_dict(state["model"], strict=False).missing_keys
@@ -43,7 +46,7 @@ def build(stage: int, state: dict | None = None):
     for n, p in model.named_parameters():
         p.requires_grad_(not n.startswith(FROZEN))
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-          "zero_optimization": {"stage": stage, "sub_group_size": SUB_GROUP,
+          "zero_optimization": {"stage": stage, "sub_group_size": SUB_GROUP, "parameter_alignment": True,
                                 "stage3_param_persistence_threshold": 0},
           "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 10**9}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
@@ -67,36 +70,38 @@ def train(engine, step: int) -> float:
 
 
 def main():
-    mode, out, stage = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    out, stage = Path(sys.argv[1]), int(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
-    state = safeload.load(Path(sys.argv[4]), "full") if mode == "resume" else None
-    engine = build(stage, state)
-    if mode == "save":
-        for s in (1, 2):
-            train(engine, s)
-        ck = out / "step_2"  # the guide's layout (helpers.checkpoint): DeepSpeed's files in ds/ds, meta.json
-        engine.save_checkpoint(str(ck / "ds"), tag="ds")
-        if rank == 0:
-            from helpers.checkpoint import META, param_shapes
-
-            (ck / META).write_text(json.dumps({"format": "deepspeed", "backend": "deepspeed", "world_size": 2,
-                                               "step": 2, "model": "tiny", "param_shapes": param_shapes(engine.module),
-                                               "model_config": engine.module.config.to_dict()}))
-        truth = {}
-        for n, p in engine.module.named_parameters():
-            if p.requires_grad:
-                truth[n] = {"w": safe_get_full_fp32_param(p).clone(),
-                            **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
-        if rank == 0:
-            torch.save(truth, out / "truth.pt")
-    else:
-        from helpers.checkpoint import _import_deepspeed
-
-        _import_deepspeed(SimpleNamespace(engine=engine, module=engine.module), state)
-    loss = train(engine, 3)
+    engine = build(stage)
+    for s in (1, 2):
+        train(engine, s)
+    ck = out / "step_2"  # the guide's layout (helpers.checkpoint): DeepSpeed's files in ds/ds, then meta.json
+    engine.save_checkpoint(str(ck / "ds"), tag="ds")
+    truth = {n: {"w": safe_get_full_fp32_param(p).clone(),
+                 **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
+             for n, p in engine.module.named_parameters() if p.requires_grad}
     if rank == 0:
-        (out / f"loss3_{mode}.json").write_text(json.dumps(loss))
+        from helpers.checkpoint import META, param_shapes
+        from helpers.convert import convert
+
+        (ck / META).write_text(json.dumps({"format": "deepspeed", "backend": "deepspeed", "world_size": 2, "step": 2,
+                                           "model": "tiny", "param_shapes": param_shapes(engine.module),
+                                           "model_config": engine.module.config.to_dict()}))
+        torch.save(truth, out / "truth.pt")
+        convert(str(ck), str(out / "to_fsdp"), "fsdp")
+        convert(str(out / "to_fsdp"), str(out / "back"), "deepspeed")
+    losses = {"save": train(engine, 3)}
+    torch.distributed.barrier()  # the conversions are written
+    state = safeload.load(out / "back" / "full.pt", "full")
+    fresh = build(stage, state)
+
+    from helpers.checkpoint import _import_deepspeed
+
+    _import_deepspeed(SimpleNamespace(engine=fresh, module=fresh.module), state)
+    losses["resume"] = train(fresh, 3)
+    if rank == 0:
+        (out / "loss3.json").write_text(json.dumps(losses))
 
 
 if __name__ == "__main__":

@@ -128,3 +128,52 @@ def test_bad_wrap_class_is_one_line_before_launch(tmp_path):
 def test_profile_needs_steps_after_warm_up(tmp_path):
     proc = run_job(FSDP, tmp_path / "run", 0, "--model", "tiny", "--steps", "2", "--profile")
     assert proc.returncode == 2 and "--steps = 2: --profile" in proc.stderr and "--steps >= 4" in proc.stderr
+
+
+SHIPPED_FSDP = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch_configs" / "fsdp").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_FSDP)
+def test_units_are_the_ones_accelerate_makes(path, monkeypatch):
+    """Accelerate's own fsdp2_prepare_model on the meta tiny model, its fully_shard calls recorded (not run):
+    the guide makes the same calls, but for the two differences its log names (SIZE_BASED_WRAP)."""
+    import functools
+    from types import SimpleNamespace
+
+    import torch.distributed.fsdp as fsdp_mod
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    o = load_job_config(str(REPO / path), world_size=4).fsdp
+    model = wrap.meta_model(resolve_model("tiny"))
+    names = {id(m): n for n, m in model.named_modules()}
+    calls = []
+
+    def record(module, **kw):  # what fully_shard would shard; the class swap makes isinstance(m, FSDPModule) true
+        mods = module if isinstance(module, list) else [module]
+        calls.append(("+".join(names[id(m)] for m in mods), kw.get("reshard_after_forward", None)))
+        for m in mods:
+            m.__class__ = type(f"FSDP{type(m).__name__}", (FSDPModule, type(m)), {})
+        return module
+
+    monkeypatch.setattr(fsdp_mod, "fully_shard", record)
+    fn = {"TRANSFORMER_BASED_WRAP": transformer_auto_wrap_policy, "SIZE_BASED_WRAP": size_based_auto_wrap_policy,
+          "NO_WRAP": None}[o.auto_wrap_policy]
+    plugin = SimpleNamespace(auto_wrap_policy=fn, min_num_params=o.min_num_params, transformer_cls_names_to_wrap=(
+        wrap.layer_classes(model, o.transformer_layer_cls_to_wrap) or None), reshard_after_forward=o.reshard_after_forward,
+        cpu_offload=None, mixed_precision_policy=None, ignored_modules=None, cpu_ram_efficient_loading=False)
+    plugin.set_auto_wrap_policy = functools.partial(FullyShardedDataParallelPlugin.set_auto_wrap_policy, plugin)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                  is_main_process=True, torch_device_mesh=None)
+    fsdp2_prepare_model(accelerator, model)
+
+    fresh = wrap.meta_model(resolve_model("tiny"))
+    ours = [(u.name, (o.reshard_after_forward and u.reshard) if u.name else None) for u, _ in wrap.plan(fresh, o)]
+    theirs = [(n, r if n else None) for n, r in calls]
+    if o.auto_wrap_policy == "SIZE_BASED_WRAP" and o.min_num_params == 50000:
+        # model.layers: fully_shard refuses a ModuleList; model.norm: inside model.model's unit
+        assert [c for c in theirs if c not in ours] == [("model.layers", True), ("model.norm", False)]
+        theirs = [c for c in theirs if c in ours]
+    assert theirs == ours

@@ -339,7 +339,7 @@ def _import_deepspeed(engine, state: dict) -> None:
     zopt = engine.engine.optimizer
     stage = engine.engine.zero_optimization_stage()
     inner = zopt.optimizer if hasattr(zopt, "optimizer") else zopt  # the torch AdamW over fp32 masters
-    named = list(engine.module.named_parameters())
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]  # frozen: weights only
     if stage == 0:
         _import_stage0(zopt, inner, named, model_sd, optim_sd)
     else:

@@ -17,7 +17,10 @@ when it is not.
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
+import functools
+import importlib.util
 import json
 import os
 import sys
@@ -109,6 +112,8 @@ class JobConfig:
     fsdp: FSDPOptions | None = None
     deepspeed: DeepSpeedOptions | None = None
     notes: list[str] = field(default_factory=list)  # translation notes, shown in log.txt
+    # Accelerate keys in the file that have no effect here: "section.key" -> (value, why); see unapplied_notes
+    unapplied: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,15 +121,9 @@ class JobConfig:
 
 # --------------------------------------------------------------------------- key tables
 
-# Top-level keys Accelerate's ClusterConfig accepts; those we read are handled below,
-# the rest only matter to `accelerate launch` and are accepted and ignored.
-_TOP_KEYS = {
-    "compute_environment", "debug", "distributed_type", "downcast_bf16", "enable_cpu_affinity",
-    "gpu_ids", "machine_rank", "main_process_ip", "main_process_port", "main_training_function",
-    "mixed_precision", "num_machines", "num_processes", "rdzv_backend", "same_network",
-    "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "fsdp_config", "deepspeed_config",
-    "parallelism_config", "dynamo_config",
-}
+# Which keys exist is Accelerate's to say (``accelerate_keys``: ClusterConfig's fields at the top level,
+# ``accelerate launch``'s argument groups for each section). The tables below only say what this guide
+# does with the keys it applies (the rule its value must follow), and why the others have no effect here.
 _SHARDING = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 _FSDP_KEYS = {
     "fsdp_version": [1, 2],
@@ -133,13 +132,15 @@ _FSDP_KEYS = {
     "fsdp_offload_params": bool,
     "fsdp_state_dict_type": ["FULL_STATE_DICT", "SHARDED_STATE_DICT"],
     "fsdp_cpu_ram_efficient_loading": bool,
-    "fsdp_sync_module_states": bool,
     "fsdp_auto_wrap_policy": ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"],
     "fsdp_transformer_layer_cls_to_wrap": str,
     "fsdp_min_num_params": int,
     "fsdp_forward_prefetch": bool,
     "fsdp_backward_prefetch": ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"],
+    # checked and kept (helpers.translate reads them), but no effect on an FSDP2 job here: see _NO_EFFECT_KEY
+    "fsdp_sync_module_states": bool,
     "fsdp_activation_checkpointing": bool,
+    "fsdp_activation_checkpointing_offload": bool,
     "fsdp_use_orig_params": bool,
 }
 _DS_KEYS = {
@@ -153,6 +154,7 @@ _DS_KEYS = {
     "gradient_accumulation_steps": int,
     "gradient_clipping": float,
     "deepspeed_config_file": str,
+    # checked, no effect here (see _NO_EFFECT_KEY)
     "deepspeed_multinode_launcher": ["standard", "pdsh", "openmpi", "mvapich", "mpich", "nossh", "slurm"],
     "deepspeed_hostfile": str,
     "deepspeed_inclusion_filter": str,
@@ -168,9 +170,115 @@ _DS_FILE_EXCLUSIVE = [
 _PAR_KEYS = {
     "parallelism_config_dp_replicate_size": int,
     "parallelism_config_dp_shard_size": int,
-    "parallelism_config_tp_size": int,
-    "parallelism_config_cp_size": int,
+    "parallelism_config_tp_size": int,  # must be 1: data parallelism only
+    "parallelism_config_cp_size": int,  # must be 1
+    "parallelism_config_sp_size": int,  # must be 1
 }
+_TOP_READ = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_config", "parallelism_config"}
+
+# Why a key Accelerate accepts has no effect here; the job logs one `note:` line per such key that asks for
+# something (a value other than false / "no" / empty). By key, then by section, then by prefix.
+_LAUNCHER = "read by accelerate launch to start the processes; here torchrun (or helpers.launch) starts them"
+_TPU = "a TPU setting; this guide runs on CPUs (gloo) and CUDA GPUs (nccl)"
+_NO_EFFECT_KEY = {
+    **dict.fromkeys(["compute_environment", "num_processes", "num_machines", "machine_rank", "main_process_ip",
+                     "main_process_port", "rdzv_backend", "same_network", "gpu_ids", "main_training_function",
+                     "enable_cpu_affinity"], _LAUNCHER),
+    **dict.fromkeys(["tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env", "command_file",
+                     "commands", "downcast_bf16"], _TPU),
+    "debug": "accelerate launch's collective checks (ACCELERATE_DEBUG_MODE); this guide does not run them",
+    "use_cpu": "the device follows the machine here: one GPU per rank when CUDA is present, else the CPU",
+    "fsdp_activation_checkpointing": "this guide does not recompute activations: every activation is kept",
+    "fsdp_activation_checkpointing_offload": "this guide does not recompute activations, so there is nothing "
+                                             "to offload",
+    "fsdp_use_orig_params": "an FSDP1 setting; FSDP2 (fully_shard) always trains the original parameters",
+    "fsdp_sync_module_states": "every rank here starts from the same weights (same seed or file), and "
+                               "fsdp_cpu_ram_efficient_loading always broadcasts rank 0's",
+    "deepspeed_moe_layer_cls_names": "for mixture-of-experts models; the guide's models have no expert layers",
+    **dict.fromkeys(["deepspeed_multinode_launcher", "deepspeed_hostfile", "deepspeed_inclusion_filter",
+                     "deepspeed_exclusion_filter"], "a DeepSpeed launcher setting; here torchrun (or helpers.launch) "
+                                                    "starts every rank"),
+    "parallelism_config_cp_backend": "context parallelism; this guide runs data parallelism only (cp_size 1)",
+    "parallelism_config_cp_comm_strategy": "context parallelism; this guide runs data parallelism only (cp_size 1)",
+}
+_NO_EFFECT_SECTION = {
+    "fp8_config": "FP8 training (TransformerEngine / torchao / MS-AMP on recent GPUs); this guide trains in bf16 "
+                  "or fp32",
+    "megatron_lm_config": "another backend (distributed_type MEGATRON_LM); this guide runs FSDP2 and DeepSpeed",
+    "mpirun_config": "mpirun starts multi-CPU jobs for accelerate launch; here torchrun starts the ranks",
+    "dynamo_config": "Accelerate's torch.compile plugin; here --compile compiles each block (FSDP2) or calls "
+                     "engine.compile() (DeepSpeed)",
+}
+_NO_EFFECT_PREFIX = {
+    "parallelism_config_sp_": "sequence parallelism; this guide runs data parallelism only (sp_size 1)",
+}
+# Each section of the YAML: the argument group of `accelerate launch` whose dests it holds, and the prefix
+# accelerate launch adds to a key that lacks it (fsdp_config's is handled by helpers.compat, with a warning).
+_SECTIONS = {
+    "fsdp_config": ("FSDP Arguments", ""),
+    "deepspeed_config": ("DeepSpeed Arguments", ""),
+    "parallelism_config": ("ParallelismConfig Arguments", ""),
+    "fp8_config": ("FP8 Arguments", "fp8_"),
+    "megatron_lm_config": ("Megatron-LM Arguments", ""),
+    "mpirun_config": ("MPI Arguments", ""),
+    "dynamo_config": (None, "dynamo_"),  # dynamo_* options of any group
+}
+
+
+@functools.cache
+def accelerate_keys() -> dict[str, frozenset[str]]:
+    """The keys Accelerate accepts, read from its own source: ``""`` -> top-level keys, else section -> keys.
+
+    Top level: the fields of ``accelerate.commands.config.config_args.ClusterConfig`` (and its base);
+    each section: the ``--options`` of ``accelerate launch``'s argument group, which is what accelerate
+    launch copies a section's keys onto. Read with ``ast`` rather than imported: importing accelerate
+    imports torch, seconds that a config check need not wait. tests/test_config.py checks this reading
+    against the imported dataclass and parser.
+    """
+    spec = importlib.util.find_spec("accelerate")  # locates the package without running it
+    root = Path(spec.origin).parent
+    classes = {n.name: n for n in ast.walk(ast.parse((root / "commands/config/config_args.py").read_text()))
+               if isinstance(n, ast.ClassDef)}
+    top: set[str] = set()
+    todo = ["ClusterConfig"]
+    while todo:
+        cls = classes[todo.pop()]
+        top |= {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        todo += [b.id for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
+    titles: dict[str, str] = {}  # variable -> group title
+    dests: dict[str, set[str]] = {}  # group title -> option dests
+    for node in ast.walk(ast.parse((root / "commands/launch.py").read_text())):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                getattr(node.value.func, "attr", "") == "add_argument_group" and node.value.args:
+            titles[node.targets[0].id] = node.value.args[0].value
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id in titles:
+            opts = [a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")]
+            dest = next((k.value.value for k in node.keywords if k.arg == "dest"), None)
+            if opts or dest:
+                dests.setdefault(titles[node.func.value.id], set()).add(dest or opts[0][2:].replace("-", "_"))
+    out = {"": frozenset(top)}
+    for section, (title, prefix) in _SECTIONS.items():
+        keys = dests.get(title, set()) if title else {d for ds in dests.values() for d in ds if d.startswith(prefix)}
+        out[section] = frozenset(keys)
+    return out
+
+
+def no_effect_reason(section: str, key: str) -> str | None:
+    """Why an Accelerate key has no effect in this guide; None for a key the guide applies."""
+    if key in _NO_EFFECT_KEY:
+        return _NO_EFFECT_KEY[key]
+    if section in _NO_EFFECT_SECTION:
+        return _NO_EFFECT_SECTION[section]
+    if key in _PAR_KEYS:  # e.g. parallelism_config_sp_size: applied (anything but 1 is refused)
+        return None
+    return next((why for pre, why in _NO_EFFECT_PREFIX.items() if key.startswith(pre)), None)
+
+
+def unapplied_notes(job: JobConfig) -> list[str]:
+    """One `note:` line per key in the file that Accelerate accepts and this guide cannot apply (train.py logs
+    them)."""
+    return [f"{key} = {value!r}: no effect here: {why}" for key, (value, why) in job.unapplied.items()]
 
 
 # --------------------------------------------------------------------------- checking
@@ -179,6 +287,15 @@ _PAR_KEYS = {
 class _Checker:
     def __init__(self, source: str):
         self.source = source
+        self.unapplied: dict[str, tuple[Any, str]] = {}
+
+    def no_effect(self, section: str, key: str, value: Any) -> None:
+        """Remember a key that has no effect here, unless its value asks for nothing (false, "no", empty)."""
+        why = no_effect_reason(section, key)
+        if why is None or value is None or value is False or value == {} or value == [] or \
+                str(value).lower() in ("", "no", "false"):
+            return
+        self.unapplied[f"{section}.{key}" if section else key] = (value, why)
 
     def fail(self, msg: str):
         raise ConfigError(f"{self.source}: {msg}")
@@ -216,14 +333,18 @@ class _Checker:
         return value
 
     def section(self, raw: dict, name: str, rules: dict) -> dict:
+        """A section's keys: each one Accelerate knows (else refused), values checked where the guide has a rule."""
         sec = raw.get(name) or {}
         if not isinstance(sec, dict):
             self.fail(f"{name} = {sec!r}: expected a mapping of keys")
+        allowed, prefix = accelerate_keys()[name], _SECTIONS[name][1]
         out = {}
         for k, v in sec.items():
-            if k not in rules:
-                self.unknown(f"{name}.", k, rules)
-            out[k] = v if rules[k] is None else self.value(f"{name}.{k}", v, rules[k])
+            key = k if str(k).startswith(prefix) else f"{prefix}{k}"  # as accelerate launch reads it
+            if key not in allowed:
+                self.unknown(f"{name}.", k, allowed)
+            out[key] = self.value(f"{name}.{key}", v, rules[key]) if rules.get(key) is not None else v
+            self.no_effect(name, key, out[key])
         return out
 
 
@@ -297,7 +418,7 @@ def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPO
     if o.min_num_params < 0:
         c.fail(f"fsdp_config.fsdp_min_num_params = {o.min_num_params}: must be >= 0")
 
-    for key in ("parallelism_config_tp_size", "parallelism_config_cp_size"):
+    for key in ("parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_sp_size"):
         if par.get(key, 1) != 1:
             c.fail(f"parallelism_config.{key} = {par[key]}: this guide runs data parallelism only; allowed: 1")
     rep, shard = par.get("parallelism_config_dp_replicate_size"), par.get("parallelism_config_dp_shard_size")
@@ -430,9 +551,14 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
     """
     c = _Checker(path)
     raw = _read_yaml(path)
-    for k in raw:
-        if k not in _TOP_KEYS:
-            c.unknown("", k, _TOP_KEYS)
+    top = accelerate_keys()[""]
+    for k, v in raw.items():
+        if k not in top:
+            c.unknown("", k, top)
+        if k in _SECTIONS and k not in _TOP_READ:
+            c.section(raw, k, {})  # fp8_config, megatron_lm_config, ...: keys checked, each noted
+        elif k not in _TOP_READ:
+            c.no_effect("", k, v)
     dt = c.value("distributed_type", raw.get("distributed_type"), ["FSDP", "DEEPSPEED"])
     for other in ("fsdp_config", "deepspeed_config"):
         if raw.get(other) and other != {"FSDP": "fsdp_config", "DEEPSPEED": "deepspeed_config"}[dt]:
@@ -462,6 +588,7 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
     if world_size is not None and world_size < 1:
         c.fail(f"world size {world_size}: must be >= 1")
     job.train.model_dtype = resolve_model_dtype(c, job)
+    job.unapplied = c.unapplied
     return job
 
 
@@ -547,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
     if job.deepspeed:
         what += f" ZeRO-{job.deepspeed.zero_stage}"
     print(f"ok: {args.config}: {what}, mixed_precision={job.mixed_precision}")
-    for n in job.notes:
+    for n in job.notes + unapplied_notes(job):
         print(f"note: {n}")
     return 0
 

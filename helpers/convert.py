@@ -70,13 +70,22 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
     """A DeepSpeed checkpoint (``engine.save_checkpoint``, ZeRO stage 0-3) -> consolidated fp32.
 
     Where each stage keeps the fp32 master weights and Adam's exp_avg / exp_avg_sq (always flat tensors of
-    the same layout as the master):
+    the same layout as the master), as DeepSpeed's own ``deepspeed.utils.zero_to_fp32`` reads them (it
+    stops at the weights; tests/test_convert_layouts.py checks these weights against it):
 
     - stage 0: no partitions; ``mp_rank_00_model_states.pt`` holds the optimizer, one tensor per parameter.
     - stage 1-2: one ``*optim_states.pt`` per rank; per parameter group, the parameters are laid end to end
-      in one flat vector, padded at the end, and cut into ``world_size`` equal pieces, one per rank.
+      in one flat vector (each followed by its ``param_alignment_paddings``, when the file has them),
+      padded at the end, and cut into ``world_size`` equal pieces, one per rank.
     - stage 3: one ``*optim_states.pt`` per rank; every parameter is cut into ``ceil(numel / world_size)``
-      pieces (the last padded), and rank r's flat partition is its piece of each parameter in turn.
+      pieces (the last padded), and rank r's partition is its piece of each parameter in turn, split into
+      sub-groups of at most about ``sub_group_size`` elements (one flat tensor and one Adam state each).
+
+    Frozen parameters (``requires_grad=False``) are not in the partitions: their weights are in the model
+    states files (``frozen_param_fragments``: whole under ZeRO 1-2, each rank's piece under ZeRO-3), and
+    they have no Adam state, so they are in ``model`` but not in the optimizer's ``params``. A parameter
+    shared by two names (tied embeddings) is saved once; ``shared_params`` names the alias, which
+    ``named_parameters`` does not list either, so it is not repeated here.
     """
     import torch
 
@@ -91,57 +100,87 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
     stage = int((ms.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
     if stage == 0:
         return _read_stage0(ms, meta, where)
-    optim_files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"),
-                         key=lambda f: int(f.name.split("zero_pp_rank_")[1].split("_")[0]))
-    if len(optim_files) != ws:
-        raise CheckpointError(f"checkpoint {where}: partial checkpoint ({len(optim_files)} of {ws} optimizer "
-                              "partitions)")
-    groups_shapes = ms["param_shapes"]  # one {name: shape} per parameter group, in flat-buffer order
+
+    def rank_of(f):
+        return int(f.name.split("zero_pp_rank_")[1].split("_")[0])
+
+    optim_files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"), key=rank_of)
+    model_files = (sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=rank_of) if stage == 3
+                   else [model_file])  # ZeRO 1-2: one model states file for all ranks
+    if len(optim_files) != ws or len(model_files) != (ws if stage == 3 else 1):
+        raise CheckpointError(f"checkpoint {where}: partial checkpoint ({len(optim_files)} optimizer and "
+                              f"{len(model_files)} model state files for {ws} ranks)")
     ranks = [safeload.load(f, "deepspeed")["optimizer_state_dict"] for f in optim_files]
     if any(int(r.get("zero_stage", -1)) != stage for r in ranks):
         raise CheckpointError(f"checkpoint {where}: optimizer partitions disagree with the model states on the "
                               f"ZeRO stage ({stage})")
-    if stage == 3:
-        flat_key, inner_key = "fp32_flat_groups", "optimizer_state_dict"
-    else:
-        flat_key, inner_key = "single_partition_of_fp32_groups", "base_optimizer_state"
-    model, state, steps, hyper = {}, {}, set(), None
-    for g, shapes in enumerate(groups_shapes):
-        inner = [r[inner_key] for r in ranks]
-        flats = [r[flat_key][g].float() for r in ranks]
-        avgs = [i["state"][g]["exp_avg"] for i in inner]
-        sqs = [i["state"][g]["exp_avg_sq"] for i in inner]
-        steps |= {float(i["state"][g]["step"]) for i in inner}
-        hyper = hyper or {k: v for k, v in inner[0]["param_groups"][g].items() if k != "params"}
-        if stage == 3:
-            used = _split_stage3(shapes, ws, flats, avgs, sqs, model, state)
-            have = flats[0].numel()
-        else:
-            used = _split_flat(shapes, torch.cat(flats), torch.cat(avgs), torch.cat(sqs), model, state)
-            have = sum(f.numel() for f in flats) - sum(r["group_paddings"][g] for r in ranks)
-        if used != have:
-            raise CheckpointError(f"checkpoint {where}: model mismatch: parameter group {g} needs {used} "
-                                  f"elements, the ZeRO-{stage} partitions hold {have}")
+    shapes = [dict(g) for g in ms["param_shapes"]]  # per group (ZeRO-3: per sub-group), in flat order
+    flat_key, inner_key = (("fp32_flat_groups", "optimizer_state_dict") if stage == 3
+                           else ("single_partition_of_fp32_groups", "base_optimizer_state"))
+    inner = [r[inner_key] for r in ranks]
+    states = [[i["state"][k] for k in sorted(i["state"])] for i in inner]  # one per (sub-)group, in order
+    steps = {float(s["step"]) for st in states for s in st}
     if len(steps) != 1:
         raise CheckpointError(f"checkpoint {where}: partitions disagree on the step {sorted(steps)}")
+    model, state = {}, {}
+    if stage == 3:  # a rank's sub-groups end to end are its partition: every parameter's piece in turn
+        flats = [torch.cat([t.float() for t in r[flat_key]]) for r in ranks]
+        avgs, sqs = ([torch.cat([s[k] for s in st]) for st in states] for k in ("exp_avg", "exp_avg_sq"))
+        used = _split_stage3({k: v for g in shapes for k, v in g.items()}, ws, flats, avgs, sqs, model, state)
+        if used != flats[0].numel():
+            raise CheckpointError(f"checkpoint {where}: model mismatch: the parameters need {used} elements per "
+                                  f"rank, the ZeRO-3 partitions hold {flats[0].numel()}")
+    else:
+        pads = ranks[0].get("param_alignment_paddings")
+        for g, group in enumerate(shapes):
+            flat, avg, sq = (torch.cat([x.float() for x in parts]) for parts in (
+                [r[flat_key][g] for r in ranks], [st[g]["exp_avg"] for st in states],
+                [st[g]["exp_avg_sq"] for st in states]))
+            used = _split_flat(group, flat, avg, sq, model, state, pads[g] if pads else None)
+            align = 2 * ws  # zero_to_fp32's check: ZeRO-2 pads each group to a multiple of 2 x world size
+            if math.ceil(used / align) != math.ceil(flat.numel() / align):
+                raise CheckpointError(f"checkpoint {where}: model mismatch: parameter group {g} needs {used} "
+                                      f"elements, the ZeRO-{stage} partitions hold {flat.numel()}")
+    trainable = set(model)
+    model.update(_frozen(model_files, stage))
     step = torch.tensor(steps.pop())
     for s in state.values():
         s["step"] = step.clone()
-    return {"model": model, "optim": {"state": state, "param_groups": [{**hyper, "params": list(model)}]}}
+    order = [n for n in meta.get("param_shapes", model) if n in model]  # the module's parameter order
+    model = {n: model[n] for n in order + [n for n in model if n not in order]}
+    hyper = {k: v for k, v in inner[0]["param_groups"][0].items() if k != "params"}
+    return {"model": model, "optim": {"state": state, "param_groups": [
+        {**hyper, "params": [n for n in model if n in trainable]}]}}
 
 
-def _split_flat(shapes: dict, flat, avg, sq, model: dict, state: dict) -> int:
-    """ZeRO-1/2: the parameters of a group end to end in ``flat``; returns how many elements they use."""
+def _frozen(model_files: list[Path], stage: int) -> dict:
+    """Frozen parameters' weights from the model states files (ZeRO 1-2: whole, in rank 0's; ZeRO-3: each
+    rank's ``ceil(numel / world_size)`` piece, the last padded)."""
+    import torch
+
+    first = safeload.load(model_files[0], "deepspeed")
+    shapes = first.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    frags = [first["frozen_param_fragments"]] + ([safeload.load(f, "deepspeed")["frozen_param_fragments"]
+                                                  for f in model_files[1:]] if stage == 3 else [])
+    return {name: torch.cat([f[name].reshape(-1) for f in frags])[:math.prod(shape)].float()
+            .reshape(tuple(shape)).clone() for name, shape in shapes.items()}
+
+
+def _split_flat(shapes: dict, flat, avg, sq, model: dict, state: dict, pads=None) -> int:
+    """ZeRO-1/2: the parameters of a group end to end in ``flat``, each followed by its alignment padding
+    (when given); returns how many elements they use."""
 
     offset = 0
-    for name, shape in shapes.items():
+    for i, (name, shape) in enumerate(shapes.items()):
         n = math.prod(shape)
 
         def cut(t, _o=offset, _n=n, _s=tuple(shape)):
             return t[_o:_o + _n].reshape(_s).clone()
 
         model[name], state[name] = cut(flat), {"exp_avg": cut(avg), "exp_avg_sq": cut(sq)}
-        offset += n
+        offset += n + (pads[i] if pads else 0)
     return offset
 
 
@@ -196,7 +235,9 @@ def check_state(state: dict, meta: dict, where: str) -> None:
     from .checkpoint import CheckpointError, check_model
 
     check_model(meta, {k: list(v.shape) for k, v in state["model"].items()}, where)
-    missing = [k for k in state["model"] if k not in state["optim"].get("state", {})]
+    groups = state["optim"].get("param_groups") or [{}]
+    stepped = {n for g in groups for n in g.get("params", state["model"])}  # frozen parameters: no Adam state
+    missing = [k for k in state["model"] if k in stepped and k not in state["optim"].get("state", {})]
     if missing:
         raise CheckpointError(f"checkpoint {where}: partial checkpoint: no optimizer state for {len(missing)} "
                               f"parameters (e.g. {missing[0]})")
@@ -216,7 +257,7 @@ def convert(src: str, dst: str, to: str) -> dict:
     if d.exists() and (not d.is_dir() or any(d.iterdir())):
         raise CheckpointError(f"DST {dst}: already exists and is not empty; pick a new path (nothing is overwritten)")
     if meta["format"] == "sharded" or to == "fsdp":  # imports (seconds) are not the conversion
-        import torch.distributed.checkpoint.format_utils  # noqa: F401
+        import torch.distributed.checkpoint  # noqa: F401
     if meta["format"] == "deepspeed":
         import deepspeed  # noqa: F401 - its pickled classes are in DeepSpeed's files
     t0 = time.perf_counter()
@@ -235,11 +276,11 @@ def convert(src: str, dst: str, to: str) -> dict:
         (tmp / "conversion.json").write_text(json.dumps(new, indent=2))
     else:
         if to == "fsdp":
-            from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+            import torch.distributed.checkpoint as dcp
 
-            torch.save(state, tmp / "state.pt")
-            torch_save_to_dcp(str(tmp / "state.pt"), str(tmp / "dcp"))
-            (tmp / "state.pt").unlink()
+            # what torch_save_to_dcp does after reading its input file (FileSystemWriter, no_dist), without
+            # first writing the whole state to a temporary state.pt: the same files, half the bytes written
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / "dcp")), no_dist=True)
             fmt = "sharded"
         else:
             torch.save(state, tmp / "full.pt")

@@ -298,7 +298,10 @@ def connect(s: JobState) -> None:
                  "out": s.args.out})
     s.run.log(f"[{job.backend}] {s.summary['mode']} mixed_precision={job.mixed_precision} "
               f"world_size={s.world_size} device={device} ({s.dist_backend})")
-    for note in job.notes + ([f"filled DeepSpeed 'auto': {', '.join(s.ds_filled)}"] if s.ds_filled else []):
+    from .config import unapplied_notes
+
+    for note in job.notes + unapplied_notes(job) + (
+            [f"filled DeepSpeed 'auto': {', '.join(s.ds_filled)}"] if s.ds_filled else []):
         s.run.log(f"note: {note}")
 
 

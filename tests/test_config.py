@@ -135,3 +135,87 @@ def test_torchrun_bad_config_message_once_from_rank_0(tmp_path):
     assert proc.stderr.index("error: ") < (proc.stderr.find("Traceback") % (len(proc.stderr) + 1))
     assert "helpers/" not in proc.stderr  # no traceback through our code
     assert not out.exists()
+
+
+def test_key_sets_are_accelerates_own():
+    """The keys helpers.config reads from Accelerate's source are its ClusterConfig fields and launch options;
+    each one is either applied here (a value rule) or has a reason it has no effect. Fails when they drift."""
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    from helpers import config
+
+    keys = config.accelerate_keys()
+    assert keys[""] == {f.name for f in dataclasses.fields(ClusterConfig)}
+    groups = {g.title: {a.dest for a in g._group_actions} for g in launch_command_parser()._action_groups}
+    for section, (title, prefix) in config._SECTIONS.items():
+        want = groups[title] if title else {d for ds in groups.values() for d in ds if d.startswith(prefix)}
+        assert keys[section] == want, section
+    rules = {"fsdp_config": config._FSDP_KEYS, "deepspeed_config": config._DS_KEYS,
+             "parallelism_config": config._PAR_KEYS}
+    for section, names in keys.items():
+        for k in names:  # every Accelerate key: applied, or a reason to give
+            applied = k in config._TOP_READ | set(config._SECTIONS) if section == "" else k in rules.get(section, {})
+            assert applied or config.no_effect_reason(section, k), f"{section}.{k}: neither applied nor explained"
+        assert set(rules.get(section, {})) <= names, section  # no rule for a key Accelerate does not have
+    assert config._TOP_READ <= keys[""] and set(config._NO_EFFECT_KEY) <= set().union(*keys.values())
+
+
+LISTED = """distributed_type: FSDP
+mixed_precision: bf16
+tpu_name: my-tpu
+fp8_config:
+  backend: TE
+  fp8_format: E4M3
+megatron_lm_config:
+  megatron_lm_tp_degree: 2
+mpirun_config:
+  mpirun_hostfile: hosts
+fsdp_config:
+  fsdp_version: 2
+  fsdp_activation_checkpointing_offload: true
+parallelism_config:
+  parallelism_config_cp_backend: torch
+  parallelism_config_cp_comm_strategy: allgather
+  parallelism_config_sp_backend: deepspeed
+  parallelism_config_sp_seq_length: 128
+  parallelism_config_sp_seq_length_is_variable: true
+  parallelism_config_sp_attn_implementation: sdpa
+  parallelism_config_sp_size: 1
+"""
+
+
+def test_every_accelerate_key_is_accepted_with_one_note(tmp_path):
+    (tmp_path / "c.yaml").write_text(LISTED)
+    job = load_job_config(str(tmp_path / "c.yaml"))
+    from helpers.config import unapplied_notes
+
+    notes = unapplied_notes(job)
+    named = [n.split(" = ")[0] for n in notes]
+    assert named == ["tpu_name", "fp8_config.fp8_backend", "fp8_config.fp8_format",
+                     "megatron_lm_config.megatron_lm_tp_degree", "mpirun_config.mpirun_hostfile",
+                     "fsdp_config.fsdp_activation_checkpointing_offload",
+                     "parallelism_config.parallelism_config_cp_backend",
+                     "parallelism_config.parallelism_config_cp_comm_strategy",
+                     "parallelism_config.parallelism_config_sp_backend",
+                     "parallelism_config.parallelism_config_sp_seq_length",
+                     "parallelism_config.parallelism_config_sp_seq_length_is_variable",
+                     "parallelism_config.parallelism_config_sp_attn_implementation"]  # sp_size 1: applied
+    assert all("no effect here: " in n for n in notes)
+    code, lines = check(tmp_path, LISTED.replace("sp_size: 1", "sp_size: 2"))
+    assert code == 2 and "parallelism_config_sp_size = 2" in lines[0] and "allowed: 1" in lines[0]
+    code, lines = check(tmp_path, LISTED.replace("fp8_format", "fp8_fromat"))
+    assert code == 2 and "fp8_config.fp8_fromat (did you mean fp8_format?)" in lines[0], lines
+
+
+def test_job_log_has_one_note_per_unapplied_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text((REPO / FSDP).read_text() + "  fsdp_activation_checkpointing: true\n")
+    out = tmp_path / "run"
+    proc = run_job(str(cfg), out, 0, "--model", "tiny", "--steps", "1")
+    assert proc.returncode == 0, proc.stderr
+    log = (out / "log.txt").read_text().splitlines()
+    want = ["compute_environment", "num_machines", "num_processes", "fsdp_config.fsdp_activation_checkpointing"]
+    assert [ln.split(" = ")[0] for ln in log if "no effect here" in ln] == [f"note: {k}" for k in want]

@@ -46,13 +46,16 @@ def test_fsdp_collectives_per_step_match_its_units(profiled):
     job = load_job_config(str(REPO / SIZE_WRAP))
     units = wrap.check_wrap_policy(job, resolve_model("tiny"))
     want = wrap.expected_collectives(units, reshard_after_forward=True)
-    assert want == {"all_gathers": 13, "all_gather_bytes": 2 * (584320 + 584320 - 640),  # root (final norm) not re-gathered
-                    "reduce_scatters": 7}
+    # 9 units hold parameters (model.model holds the final norm; the root nothing), each gathered twice
+    assert want == {"all_gathers": 18, "all_gather_bytes": 2 * 2 * 584320, "reduce_scatters": 9}
     for rank in (0, 1):
         got = traces.collectives(profiled / "fsdp", rank)
         assert list(got.all_gathers) == [want["all_gathers"]] * len(PROFILE_STEPS), got
         assert list(got.reduce_scatters) == [want["reduce_scatters"]] * len(PROFILE_STEPS), got
         assert got.all_gather_MB.iloc[0] * 1e6 == pytest.approx(want["all_gather_bytes"])
+    log = (profiled / "fsdp" / "log.txt").read_text()  # where the guide differs from accelerate launch, it says so
+    assert "model.layers (ModuleList) passes Accelerate's policy, but fully_shard refuses" in log
+    assert "model.norm is inside a unit the policy made" in log
 
 
 def test_one_all_reduce_per_step(profiled):
@@ -69,22 +72,52 @@ def test_deepspeed_without_prefetch_gathers_each_param_twice(profiled):
     assert list(got.reduce_scatters) == [1] * len(PROFILE_STEPS), got  # one bucket for the whole tiny model
 
 
-def test_wrap_policies_give_the_expected_units():
+def test_wrap_policies_give_accelerates_units():
+    """The units accelerate launch makes with fsdp_version 2 (fsdp2_prepare_model): policy, embedding, tail, root."""
     tiny = wrap.meta_model(resolve_model("tiny"))
     job = load_job_config(str(REPO / FSDP))
-    units = wrap.units(tiny, job.fsdp)  # TRANSFORMER_BASED_WRAP, class from _no_split_modules
-    assert [(u.name, u.cls) for u in units] == [("model.layers.0", "LlamaDecoderLayer"),
-                                                ("model.layers.1", "LlamaDecoderLayer"), ("", "LlamaForCausalLM")]
-    assert sum(u.num_params for u in units) == 584320
-    job.fsdp.auto_wrap_policy = "NO_WRAP"
-    assert [u.name for u in wrap.units(tiny, job.fsdp)] == [""]
-    job.fsdp.auto_wrap_policy = "SIZE_BASED_WRAP"  # Accelerate's default threshold, 1e8: nothing but the root
-    assert [u.name for u in wrap.units(tiny, job.fsdp)] == [""]
-    job.fsdp.min_num_params = 150_000  # a block (164096) but neither its attention (65536) nor MLP (98304)
-    assert [u.name for u in wrap.units(tiny, job.fsdp)] == ["model.layers.0", "model.layers.1", ""]
+
+    def named(fsdp):
+        return [(u.name, u.num_params, u.reshard) for u in wrap.units(tiny, fsdp)]
+
+    assert named(job.fsdp) == [  # TRANSFORMER_BASED_WRAP, class from _no_split_modules
+        ("model.embed_tokens", 128000, True), ("model.layers.0", 164096, True), ("model.layers.1", 164096, True),
+        ("model.norm+lm_head", 128128, False), ("", 0, False)]
+    assert sum(u.num_params for u in wrap.units(tiny, job.fsdp)) == 584320
+    job.fsdp.auto_wrap_policy = "NO_WRAP"  # no policy, but the embedding and the tail are still carved out
+    assert named(job.fsdp) == [("model.embed_tokens", 128000, True), ("model.norm+lm_head", 128128, False),
+                               ("", 328192, False)]
+    job.fsdp.auto_wrap_policy = "SIZE_BASED_WRAP"  # Accelerate's default threshold, 1e8: as NO_WRAP here
+    assert named(job.fsdp) == [("model.embed_tokens", 128000, True), ("model.norm+lm_head", 128128, False),
+                               ("", 328192, False)]
+    job.fsdp.min_num_params = 164096  # "more than": a block (164096) is not, model.model is (and its layers list)
+    notes: list[str] = []
+    wrap.plan(tiny, job.fsdp, notes)
+    assert named(job.fsdp) == [("model", 456320, True), ("lm_head", 128000, False), ("", 0, False)]  # tail: head
+    assert [n.split(": ")[1].split(" ")[0] for n in notes] == ["model.layers", "model.embed_tokens", "model.norm"]
+    job.fsdp.min_num_params = 0  # Accelerate: 0 turns the policy off
+    assert len(wrap.units(tiny, job.fsdp)) == 3
     job.fsdp.auto_wrap_policy = "TRANSFORMER_BASED_WRAP"
     job.fsdp.transformer_layer_cls_to_wrap = "LlamaMLP, LlamaAttention"
-    assert len(wrap.units(tiny, job.fsdp)) == 5
+    assert len(wrap.units(tiny, job.fsdp)) == 7
+
+
+def test_tied_embeddings_share_the_tail_unit():
+    from transformers import AutoModelForCausalLM
+
+    from helpers.models import model_config
+
+    cfg = model_config(resolve_model("tiny"))
+    cfg.tie_word_embeddings = True
+    import torch
+
+    with torch.device("meta"):
+        tied = AutoModelForCausalLM.from_config(cfg)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    units = wrap.units(tied, load_job_config(str(REPO / FSDP)).fsdp)
+    assert [(u.name, u.num_params) for u in units] == [  # the shared weight counted once, in the tail
+        ("model.norm+model.embed_tokens+lm_head", 128128), ("model.layers.0", 164096), ("model.layers.1", 164096),
+        ("", 0)]
 
 
 def test_bad_wrap_class_is_one_line_before_launch(tmp_path):
@@ -102,3 +135,52 @@ def test_bad_wrap_class_is_one_line_before_launch(tmp_path):
 def test_profile_needs_steps_after_warm_up(tmp_path):
     proc = run_job(FSDP, tmp_path / "run", 0, "--model", "tiny", "--steps", "2", "--profile")
     assert proc.returncode == 2 and "--steps = 2: --profile" in proc.stderr and "--steps >= 4" in proc.stderr
+
+
+SHIPPED_FSDP = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch_configs" / "fsdp").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_FSDP)
+def test_units_are_the_ones_accelerate_makes(path, monkeypatch):
+    """Accelerate's own fsdp2_prepare_model on the meta tiny model, its fully_shard calls recorded (not run):
+    the guide makes the same calls, but for the two differences its log names (SIZE_BASED_WRAP)."""
+    import functools
+    from types import SimpleNamespace
+
+    import torch.distributed.fsdp as fsdp_mod
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    o = load_job_config(str(REPO / path), world_size=4).fsdp
+    model = wrap.meta_model(resolve_model("tiny"))
+    names = {id(m): n for n, m in model.named_modules()}
+    calls = []
+
+    def record(module, **kw):  # what fully_shard would shard; the class swap makes isinstance(m, FSDPModule) true
+        mods = module if isinstance(module, list) else [module]
+        calls.append(("+".join(names[id(m)] for m in mods), kw.get("reshard_after_forward", None)))
+        for m in mods:
+            m.__class__ = type(f"FSDP{type(m).__name__}", (FSDPModule, type(m)), {})
+        return module
+
+    monkeypatch.setattr(fsdp_mod, "fully_shard", record)
+    fn = {"TRANSFORMER_BASED_WRAP": transformer_auto_wrap_policy, "SIZE_BASED_WRAP": size_based_auto_wrap_policy,
+          "NO_WRAP": None}[o.auto_wrap_policy]
+    plugin = SimpleNamespace(auto_wrap_policy=fn, min_num_params=o.min_num_params, transformer_cls_names_to_wrap=(
+        wrap.layer_classes(model, o.transformer_layer_cls_to_wrap) or None), reshard_after_forward=o.reshard_after_forward,
+        cpu_offload=None, mixed_precision_policy=None, ignored_modules=None, cpu_ram_efficient_loading=False)
+    plugin.set_auto_wrap_policy = functools.partial(FullyShardedDataParallelPlugin.set_auto_wrap_policy, plugin)
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="no",
+                                  is_main_process=True, torch_device_mesh=None)
+    fsdp2_prepare_model(accelerator, model)
+
+    fresh = wrap.meta_model(resolve_model("tiny"))
+    ours = [(u.name, (o.reshard_after_forward and u.reshard) if u.name else None) for u, _ in wrap.plan(fresh, o)]
+    theirs = [(n, r if n else None) for n, r in calls]
+    if o.auto_wrap_policy == "SIZE_BASED_WRAP" and o.min_num_params == 50000:
+        # model.layers: fully_shard refuses a ModuleList; model.norm: inside model.model's unit
+        assert [c for c in theirs if c not in ours] == [("model.layers", True), ("model.norm", False)]
+        theirs = [c for c in theirs if c in ours]
+    assert theirs == ours

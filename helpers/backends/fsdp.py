@@ -1,7 +1,8 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the guide's engine interface.
 
-``apply_fsdp(model, job, device)`` shards each transformer block, then the
-root, and returns an engine with ``train_step(batches) -> loss`` (this rank's),
+``apply_fsdp(model, job, device)`` shards the units ``accelerate launch`` makes
+(helpers.wrap: the policy's modules, the embedding, norm + head, then the root)
+and returns an engine with ``train_step(batches) -> loss`` (this rank's),
 ``step_sums()`` and ``grad_norm(sums)`` - the same shape as
 ``helpers.backends.deepspeed.apply_deepspeed``. Without clipping, the gradient norm's
 all-reduce waits for the job's one all-reduce of the step's numbers (helpers.train);
@@ -33,7 +34,7 @@ from torch.distributed.fsdp import (
 from .. import comm
 from ..config import JobConfig
 from ..models import decoder_layers
-from ..wrap import wrap_modules
+from ..wrap import forward_order, plan
 
 
 def fsdp_mesh(job: JobConfig, world_size: int, device_type: str):
@@ -67,12 +68,13 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
     if job.train.compile:
         for block in decoder_layers(model):
             block.compile()  # in place, before sharding; FSDP2's hooks run eagerly around the graph
-    inner = [m for _, m in wrap_modules(model, o)]  # fsdp_auto_wrap_policy (helpers.wrap)
-    for m in reversed(inner):  # inner units before the modules that contain them
-        fully_shard(m, reshard_after_forward=o.reshard_after_forward, **kw)
-    # the root's params (embeddings, final norm, head when not wrapped) are needed again at once in
-    # backward: FSDP2's default (None) keeps them gathered after forward
-    fully_shard(model, reshard_after_forward=None if o.reshard_after_forward else False, **kw)
+    steps = plan(model, o)  # the units accelerate launch makes, in its order (helpers.wrap)
+    for unit, mods in steps[:-1]:
+        fully_shard(mods[0] if len(mods) == 1 else mods,
+                    reshard_after_forward=o.reshard_after_forward and unit.reshard, **kw)
+    # the root: FSDP2's default (None) keeps a root gathered after forward, as Accelerate leaves it
+    fully_shard(model, **kw)
+    inner = [mods[0] for _, mods in forward_order(model, steps)]  # a list-unit's state is on its first module
     set_prefetch(model, inner, o)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False

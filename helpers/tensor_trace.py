@@ -107,7 +107,8 @@ class TensorTracer:
                 leaves[m] = own
         self.handles.append(model.register_forward_pre_hook(self._new_micro_batch))
         for m, own in leaves.items():
-            self.handles.append(m.register_forward_hook(self._forward(own)))
+            # prepend: run before FSDP2's post-forward hook reshards a unit (its params are unsharded until then)
+            self.handles.append(m.register_forward_hook(self._forward(own), prepend=True))
         opt = self._inner_optimizer()
         self.handles.append(opt.register_step_pre_hook(self._before_step))
         self.handles.append(opt.register_step_post_hook(self._after_step))

@@ -51,14 +51,19 @@ def fsdp_anywhere(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ds_anywhere(tmp_path_factory):
+def ds_saved(tmp_path_factory):
     b = tmp_path_factory.mktemp("ds_anywhere")
     ok(job(DS_FP32, b / "ds", 2, *SAVE, str(b / "ds_ck")), "deepspeed at 2")
+    return b
+
+
+@pytest.fixture(scope="session")
+def ds_anywhere(ds_saved):
+    b = ds_saved
     convert(str(b / "ds_ck" / "step_2"), str(b / "ds_full"), "deepspeed")  # full.pt, any world size
-    refused = job(DS_FP32, b / "ds_refused", 0, "--resume", str(b / "ds_ck" / "step_2"))
     for name, cfg, ws in (("ds_1", DS_FP32, 0), ("ds_4", DS_FP32, 4), ("fsdp_full_2", FSDP_FP32, 2)):
         ok(job(cfg, b / name, ws, "--resume", str(b / "ds_full")), name)
-    return b, refused
+    return b
 
 
 def close(got: list, want: list, rel=1e-4) -> bool:
@@ -76,7 +81,7 @@ def test_fsdp_resumes_its_dcp_files_at_another_world_size(fsdp_anywhere, name):
 
 @pytest.mark.parametrize("name", ["ds_1", "ds_4"])
 def test_deepspeed_resumes_converted_files_at_another_world_size(ds_anywhere, name):
-    b, _ = ds_anywhere
+    b = ds_anywhere
     ref, s = summary(b / "ds")["losses"], summary(b / name)
     assert s["world_size"] == int(name[-1]) and s["resumed_from"]["format"] == "full"
     assert close(s["losses"], ref[2:]), (s["losses"], ref)
@@ -85,14 +90,15 @@ def test_deepspeed_resumes_converted_files_at_another_world_size(ds_anywhere, na
 def test_fsdp_resumes_a_full_state_dict(ds_anywhere):
     """FSDP's FULL_STATE_DICT path (DeepSpeed's state, converted): rank 0 reads full.pt and broadcasts each
     rank its shard."""
-    b, _ = ds_anywhere
+    b = ds_anywhere
     s = summary(b / "fsdp_full_2")
     assert s["backend"] == "fsdp" and s["resumed_from"]["format"] == "full"
     assert close(s["losses"], summary(b / "ds")["losses"][2:]), s["losses"]
 
 
-def test_deepspeed_refuses_its_own_files_at_another_world_size(ds_anywhere):
-    b, refused = ds_anywhere
+def test_deepspeed_refuses_its_own_files_at_another_world_size(ds_saved):
+    b = ds_saved
+    refused = job(DS_FP32, b / "ds_refused", 0, "--resume", str(b / "ds_ck" / "step_2"))
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and lines == [
         f"error: --resume {b / 'ds_ck' / 'step_2'}: DeepSpeed checkpoint saved by 2 ranks, this job has 1; "
@@ -100,9 +106,9 @@ def test_deepspeed_refuses_its_own_files_at_another_world_size(ds_anywhere):
     assert not (b / "ds_refused" / "summary.json").exists()
 
 
-def test_fp32_backends_agree(fsdp_anywhere, ds_anywhere):
+def test_fp32_backends_agree(fsdp_anywhere, ds_saved):
     """The two fp32 references: FSDP resuming DeepSpeed's state is compared with DeepSpeed's own losses."""
-    assert close(summary(fsdp_anywhere / "fsdp")["losses"], summary(ds_anywhere[0] / "ds")["losses"])
+    assert close(summary(fsdp_anywhere / "fsdp")["losses"], summary(ds_saved / "ds")["losses"])
 
 
 # --------------------------------------------------------------------------- the RNG, with dropout on

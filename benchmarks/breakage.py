@@ -121,12 +121,14 @@ def copy_repo(dst: Path) -> None:
 def run_tests(root: Path, tests: tuple[str, ...], timeout: int) -> tuple[str, str]:
     """('caught' | 'NOT caught' | 'timeout', the failing test ids)."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rfE", *tests]
+    log = root / ".breakage_last.log"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONWARNINGS": "ignore::FutureWarning"}
     try:
         p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout", ""
+    log.write_text(p.stdout + p.stderr)
     failed = [ln.split(maxsplit=2)[:2] for ln in p.stdout.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
     if p.returncode == 0:
         return "NOT caught", ""
@@ -140,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="run the breakages whose name contains this text")
     ap.add_argument("--skip", action="append", default=[], help="leave out the breakages whose name contains this")
     ap.add_argument("--list", action="store_true", help="list the breakages and exit")
+    ap.add_argument("--show", action="store_true", help="print the end of each pytest output")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per breakage (default 1800)")
     args = ap.parse_args(argv)
     todo = [b for b in BREAKAGES if (not args.only or args.only.lower() in b.name.lower())
@@ -166,6 +169,8 @@ def main(argv=None) -> int:
                 path.write_text(original)  # back before the next one
             rows.append((b.name, verdict, f"{by} ({time.monotonic() - t0:.0f} s)"))
             print(f"{b.name}: {verdict} {by}", flush=True)
+            if args.show:
+                print((root / ".breakage_last.log").read_text()[-3000:], flush=True)
     width = max(len(r[0]) for r in rows)
     print(f"\n{'breakage':{width}s}  verdict     caught by")
     for name, verdict, by in rows:

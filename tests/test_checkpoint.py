@@ -21,6 +21,7 @@ from helpers.convert import convert, read_consolidated
 
 TINY = ("--model", "tiny", "--steps", "6")
 ZERO2, ZERO0 = "launch_configs/deepspeed/zero2.yaml", "launch_configs/deepspeed/zero0.yaml"
+ZERO3_16BIT = "launch_configs/deepspeed/zero3_16bit.yaml"
 
 
 def losses(out):
@@ -34,8 +35,9 @@ def ok(proc, name):
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt")
-    ok(run_job(ZERO3, base / "ds", 2, *TINY, "--checkpoint-dir", str(base / "ds_ck"), "--checkpoint-every", "3"),
-       "deepspeed")
+    # the reference also writes DeepSpeed's consolidated 16-bit weights (zero3.json + the 16-bit flag)
+    ok(run_job(ZERO3_16BIT, base / "ds", 2, *TINY, "--checkpoint-dir", str(base / "ds_ck"), "--checkpoint-every",
+               "3"), "deepspeed")
     killed = run_job(FSDP, base / "fsdp", 2, *TINY, "--checkpoint-dir", str(base / "fsdp_ck"), "--checkpoint-every",
                      "3", env={"GUIDE_FAIL_RANK": "1", "GUIDE_FAIL_STEP": "6", "GUIDE_FAIL_PHASE": "save",
                                "GUIDE_FAIL_MODE": "kill"})
@@ -106,6 +108,20 @@ def test_converter_weights_equal_zero_to_fp32(ckpt):
         assert set(ref) == set(ours), ck
         for k, t in ours.items():
             assert torch.equal(ref[k].float(), t), (ck, k)
+
+
+def test_16bit_save_holds_the_bf16_weights(ckpt):
+    """zero3_save_16bit_model: model_16bit.bin, every parameter whole, bf16, the fp32 master rounded."""
+    base, _ = ckpt
+    p = base / "ds_ck" / "step_3"
+    meta = read_meta(p)
+    assert meta["saved_dtypes"]["model_16bit"] == ["bfloat16"]
+    sd = torch.load(p / "model_16bit.bin", map_location="cpu", weights_only=True)
+    master = read_consolidated(p, meta)["model"]
+    assert sd.keys() == master.keys()
+    for k, w in master.items():
+        assert sd[k].dtype == torch.bfloat16 and torch.equal(sd[k], w.to(torch.bfloat16)), k
+    assert summary(base / "ds")["checkpoints"][0]["seconds_16bit"] is not None
 
 
 def test_killed_save_leaves_last_checkpoint(ckpt):

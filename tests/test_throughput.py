@@ -40,6 +40,8 @@ def test_tied_embedding_counted_once_as_the_output_matmul(tmp_path):
     assert throughput.flops_per_token(model, 64) == hand_count(1000, 128, 256, 2, 4, 64)
 
 
+# Dense bf16 TFLOPS from each vendor datasheet (the sparsity figure halved): A100 312; H100 SXM 989 (989.4),
+# PCIe 756, NVL 835 (per GPU); H200 and GH200 989; L4 121; L40S 362 (362.05); A10 125. Unknown GPUs: None.
 @pytest.mark.parametrize("name, tflops", [
     ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("NVIDIA H100 80GB HBM3", 989),
     ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835), ("NVIDIA H200", 989), ("NVIDIA GH200 480GB", 989),
@@ -57,12 +59,14 @@ def test_mfu_and_tokens_per_s_in_both_backends(tiny_pair):
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert s["flops_per_token"] == flops, name
         assert s["peak_flops_source"].startswith("measured: 512x512 bf16 matmul, 1 thread(s)"), name
-        assert s["peak_flops"] > 1e6, name
-        assert 0 < s["mfu"] <= 1, (name, s["mfu"])
-        assert s["mfu"] == pytest.approx(flops * s["tokens_per_s_per_rank"] / s["peak_flops"])
+        # one core's bf16 matmul: between 0.1 GFLOP/s and 10 TFLOP/s, whatever the CPU (a unit slip is 1e3 off)
+        assert 1e8 < s["peak_flops"] < 1e13, (name, s["peak_flops"])
+        assert f"peak {throughput.fmt_flops(s['peak_flops'])} per device (measured" in (out / "log.txt").read_text()
         median = statistics.median(r["step_time_s"] for r in steps[WARMUP_STEPS:])  # warm-up left out
-        assert s["step_time_s"] == pytest.approx(median)
+        assert s["step_time_s"] == median
+        # from the raw step times, the hand count and one rank's tokens (8 x 64 a step; not the global 16 x 64)
         assert s["tokens_per_s_per_rank"] == pytest.approx(8 * 64 / median)
+        assert s["mfu"] == pytest.approx(flops * 8 * 64 / median / s["peak_flops"], rel=1e-9)
         elapsed = [r["elapsed_s"] for r in steps]
         assert elapsed == sorted(elapsed) and all(r["tokens_per_s"] > 0 for r in steps)
         log = (out / "log.txt").read_text()

@@ -1,13 +1,16 @@
 """Real 2-rank jobs: the run-directory contract and FSDP/DeepSpeed parity."""
 
 import json
+import re
+import statistics
 import subprocess
 import sys
 import textwrap
 
+import pytest
 from conftest import FSDP, REPO, job_env, run_job, summary
 
-from helpers.metrics import STEP_KEYS, SUMMARY_KEYS
+from helpers.metrics import STEP_KEYS, SUMMARY_KEYS, WARMUP_STEPS
 from helpers.results import RunError, load_run
 
 
@@ -35,11 +38,19 @@ def test_run_directory_contract(tiny_pair):
         assert [r["step"] for r in rows] == list(range(20))
         assert all(set(r) == set(STEP_KEYS) for r in rows)
         assert [r["loss"] for r in rows] == s["losses"]
-        assert s["step_time_s"] > 0 and s["tokens_per_s_per_rank"] > 0
+        median = statistics.median(r["step_time_s"] for r in rows[WARMUP_STEPS:])
+        assert s["step_time_s"] == median and s["tokens_per_s_per_rank"] == pytest.approx(8 * 64 / median)
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["backend"] == backend and cfg["world_size"] == 2
-        assert "step" in (out / "log.txt").read_text()
+        # rank 0 logs every 2nd step (20 // 10) and the last, each with the loss metrics.jsonl holds
+        logged = re.findall(r"^step +(\d+) +loss (\d+\.\d{4}) ", (out / "log.txt").read_text(), re.M)
+        assert logged == [(str(r["step"]), f"{r['loss']:.4f}") for r in rows if r["step"] % 2 == 0 or
+                          r["step"] == 19], logged
         assert load_run(out).summary == s
+
+
+def _rows(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_deepspeed_config_autos_are_filled(tiny_pair):
@@ -49,11 +60,18 @@ def test_deepspeed_config_autos_are_filled(tiny_pair):
     assert ds["gradient_clipping"] == 0.0 and ds["bf16"]["enabled"] is True
 
 
-def test_single_process_without_torchrun(tmp_path):
-    proc = run_job(FSDP, tmp_path / "one", 0, "--steps", "3")
+def test_single_process_without_torchrun_and_a_given_peak(tmp_path):
+    out = tmp_path / "one"
+    proc = run_job(FSDP, out, 0, "--model", "tiny", "--steps", "3", "--peak-tflops", "0.5")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    s = summary(tmp_path / "one")
+    s = summary(out)
     assert s["world_size"] == 1 and s["steps"] == 3 and s["status"] == "completed"
+    # --peak-tflops replaces the CPU measurement: the peak, its source and the MFU follow it
+    assert s["peak_flops"] == 0.5e12 and s["peak_flops_source"] == "--peak-tflops 0.5"
+    assert "peak 500 GFLOP/s per device (--peak-tflops 0.5)" in (out / "log.txt").read_text()
+    median = statistics.median(r["step_time_s"] for r in _rows(out)[WARMUP_STEPS:])
+    # 2,934,528 FLOPs per token (tiny at seq 64, counted by hand in test_throughput), 8 x 64 tokens per step
+    assert s["mfu"] == pytest.approx(2_934_528 * (8 * 64 / median) / 0.5e12, rel=1e-9)
 
 
 def test_update_tracker_is_opt_in(tmp_path):
@@ -121,9 +139,5 @@ def test_failing_job_says_failed_and_plots_refuse_it(tmp_path):
     assert proc.returncode == 1
     s = summary(out)
     assert s["status"] == "failed" and s["failed_rank"] == 0 and s["reason"]
-    try:
+    with pytest.raises(RunError, match=f"run {out} failed on rank 0: "):
         load_run(out)
-    except RunError as e:
-        assert str(out) in str(e) and "failed" in str(e)
-    else:
-        raise AssertionError("load_run accepted a failed run")

@@ -1,0 +1,181 @@
+"""What the README promises of a resume, each run for real: the RNG continues, any world size, every stage.
+
+* RNG: a tiny model with attention dropout on, so training draws random numbers every step; a resume
+  that skipped the RNG restore would drop other activations and change the losses. The RNG files of a
+  straight run and of a resumed one are compared too.
+* World size: fp32 jobs (no bf16 rounding of the gradient reductions) save at 2 ranks and resume at 1 and
+  4, with the same global batch (8 sequences: micro-batch 8, 4, 2), so the losses agree to float rounding.
+  FSDP resumes its own DCP files; DeepSpeed refuses its own files at another world size (the message is
+  tested) and resumes them converted; FSDP resumes the converted ``full.pt`` (the full-state path).
+* ZeRO-1 (bf16) and ZeRO-0 in fp32: each saves, the converter reads its layout, and the job resumes
+  exactly from the converter's output (written back into that stage's own partitions).
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import REPO, run_job, summary
+
+from helpers.checkpoint import read_meta
+from helpers.convert import convert, read_consolidated
+from helpers.models import PRESETS
+
+FSDP = "launch_configs/fsdp/full_shard.yaml"
+FSDP_FP32 = ("launch_configs/fsdp/full_shard_low_precision.yaml", "--model-dtype", "fp32")
+DS_FP32 = ("launch_configs/deepspeed/zero3_fp32.yaml",)
+ZERO1 = "launch_configs/deepspeed/zero1.yaml"
+MICRO = {1: "8", 2: "4", 4: "2"}  # one global batch of 8 sequences at every world size
+
+
+def ok(proc, name):
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-3000:]}"
+
+
+def job(cfg: tuple, out, ws: int, *extra):
+    """A tiny fp32 job of 4 steps at ``ws`` ranks (0 = plain python, one rank)."""
+    return run_job(cfg[0], out, ws, *cfg[1:], "--model", "tiny", "--steps", "4", "--micro-batch",
+                   MICRO[max(ws, 1)], *extra)
+
+
+SAVE = ("--checkpoint-every", "2", "--checkpoint-dir")
+
+
+@pytest.fixture(scope="session")
+def fsdp_anywhere(tmp_path_factory):
+    b = tmp_path_factory.mktemp("fsdp_anywhere")
+    ok(job(FSDP_FP32, b / "fsdp", 2, *SAVE, str(b / "fsdp_ck")), "fsdp at 2")
+    for name, ws in (("fsdp_1", 0), ("fsdp_4", 4)):
+        ok(job(FSDP_FP32, b / name, ws, "--resume", str(b / "fsdp_ck" / "step_2")), name)
+    return b
+
+
+@pytest.fixture(scope="session")
+def ds_saved(tmp_path_factory):
+    b = tmp_path_factory.mktemp("ds_anywhere")
+    ok(job(DS_FP32, b / "ds", 2, *SAVE, str(b / "ds_ck")), "deepspeed at 2")
+    return b
+
+
+@pytest.fixture(scope="session")
+def ds_anywhere(ds_saved):
+    b = ds_saved
+    convert(str(b / "ds_ck" / "step_2"), str(b / "ds_full"), "deepspeed")  # full.pt, any world size
+    for name, cfg, ws in (("ds_1", DS_FP32, 0), ("ds_4", DS_FP32, 4), ("fsdp_full_2", FSDP_FP32, 2)):
+        ok(job(cfg, b / name, ws, "--resume", str(b / "ds_full")), name)
+    return b
+
+
+def close(got: list, want: list, rel=1e-4) -> bool:
+    return len(got) == len(want) and all(g == pytest.approx(w, rel=rel) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("name", ["fsdp_1", "fsdp_4"])
+def test_fsdp_resumes_its_dcp_files_at_another_world_size(fsdp_anywhere, name):
+    b = fsdp_anywhere
+    ref, s = summary(b / "fsdp")["losses"], summary(b / name)
+    assert s["world_size"] == int(name[-1]) and s["resumed_from"] == {
+        "path": str(b / "fsdp_ck" / "step_2"), "step": 2, "format": "sharded", "backend": "fsdp"}
+    assert close(s["losses"], ref[2:]), (s["losses"], ref)
+
+
+@pytest.mark.parametrize("name", ["ds_1", "ds_4"])
+def test_deepspeed_resumes_converted_files_at_another_world_size(ds_anywhere, name):
+    b = ds_anywhere
+    ref, s = summary(b / "ds")["losses"], summary(b / name)
+    assert s["world_size"] == int(name[-1]) and s["resumed_from"]["format"] == "full"
+    assert close(s["losses"], ref[2:]), (s["losses"], ref)
+
+
+def test_fsdp_resumes_a_full_state_dict(ds_anywhere):
+    """FSDP's FULL_STATE_DICT path (DeepSpeed's state, converted): rank 0 reads full.pt and broadcasts each
+    rank its shard."""
+    b = ds_anywhere
+    s = summary(b / "fsdp_full_2")
+    assert s["backend"] == "fsdp" and s["resumed_from"]["format"] == "full"
+    assert close(s["losses"], summary(b / "ds")["losses"][2:]), s["losses"]
+
+
+def test_deepspeed_refuses_its_own_files_at_another_world_size(ds_saved):
+    b = ds_saved
+    refused = job(DS_FP32, b / "ds_refused", 0, "--resume", str(b / "ds_ck" / "step_2"))
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and lines == [
+        f"error: --resume {b / 'ds_ck' / 'step_2'}: DeepSpeed checkpoint saved by 2 ranks, this job has 1; "
+        "convert it (--to deepspeed) to change world size"], refused.stderr[-2000:]
+    assert not (b / "ds_refused" / "summary.json").exists()
+
+
+def test_fp32_backends_agree(fsdp_anywhere, ds_saved):
+    """The two fp32 references: FSDP resuming DeepSpeed's state is compared with DeepSpeed's own losses."""
+    assert close(summary(fsdp_anywhere / "fsdp")["losses"], summary(ds_saved / "ds")["losses"])
+
+
+# --------------------------------------------------------------------------- the RNG, with dropout on
+
+
+@pytest.fixture(scope="session")
+def dropout(tmp_path_factory):
+    b = tmp_path_factory.mktemp("dropout")
+    cfg = dict(PRESETS["tiny"], model_type="llama", attention_dropout=0.1, tie_word_embeddings=False)
+    (b / "config.json").write_text(json.dumps(cfg))
+    common = ("--model", str(b / "config.json"), "--steps", "4", "--checkpoint-every", "2")
+    ok(run_job(FSDP, b / "ref", 2, *common, "--checkpoint-dir", str(b / "ref_ck")), "dropout ref")
+    ok(run_job(FSDP, b / "resumed", 2, *common, "--checkpoint-dir", str(b / "res_ck"),
+               "--resume", str(b / "ref_ck" / "step_2")), "dropout resume")
+    return b
+
+
+def _rng(path, rank):
+    return torch.load(path / "rng" / f"rank{rank}.pt", weights_only=False)
+
+
+def test_training_draws_random_numbers(dropout):
+    """Without this, an RNG restore could not show in any loss: the RNG moves from step 2 to step 4."""
+    for rank in (0, 1):
+        a, b = _rng(dropout / "ref_ck" / "step_2", rank), _rng(dropout / "ref_ck" / "step_4", rank)
+        assert not torch.equal(a["torch"], b["torch"]), rank
+
+
+def test_resume_continues_the_rng_exactly(dropout):
+    ref, res = summary(dropout / "ref"), summary(dropout / "resumed")
+    assert res["resumed_from"]["step"] == 2
+    assert res["losses"] == ref["losses"][2:]  # bitwise: the same dropout masks
+    for rank in (0, 1):
+        a, b = _rng(dropout / "ref_ck" / "step_4", rank), _rng(dropout / "res_ck" / "step_4", rank)
+        assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"], rank
+
+
+# --------------------------------------------------------------------------- ZeRO-1 and fp32 ZeRO-0
+
+
+@pytest.fixture(scope="session")
+def stages(tmp_path_factory):
+    b = tmp_path_factory.mktemp("stages")
+    js = json.loads((REPO / "launch_configs/deepspeed/zero0.json").read_text())
+    js["bf16"]["enabled"] = False
+    (b / "zero0_fp32.json").write_text(json.dumps(js))
+    (b / "zero0_fp32.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                       f"  deepspeed_config_file: {b / 'zero0_fp32.json'}\n")
+    tiny = ("--model", "tiny", "--steps", "4")
+    for name, cfg in (("z1", ZERO1), ("z0", str(b / "zero0_fp32.yaml"))):
+        ok(run_job(cfg, b / name, 2, *tiny, "--checkpoint-dir", str(b / f"{name}_ck"), "--checkpoint-every", "2"),
+           name)
+        convert(str(b / f"{name}_ck" / "step_2"), str(b / f"{name}_full"), "deepspeed")
+        ok(run_job(cfg, b / f"{name}_conv", 2, *tiny, "--resume", str(b / f"{name}_full")), f"{name} converted")
+    return b
+
+
+@pytest.mark.parametrize("name", ["z1_conv", "z0_conv"])
+def test_zero1_and_fp32_zero0_resume_exactly(stages, name):
+    s, ref = summary(stages / name), summary(stages / name.split("_")[0])
+    assert s["resumed_from"]["step"] == 2 and s["losses"] == ref["losses"][2:], (s["losses"], ref["losses"])
+
+
+def test_fp32_zero0_checkpoint_holds_fp32_state(stages):
+    meta = read_meta(stages / "z0_ck" / "step_2")
+    assert meta["saved_dtypes"] == {"model": ["float32"], "optim": ["float32"]}
+    assert summary(stages / "z0")["mixed_precision"] == "no"
+    state = read_consolidated(stages / "z0_ck" / "step_2", meta)
+    assert {float(s["step"]) for s in state["optim"]["state"].values()} == {2.0}
+    assert all(t.dtype == torch.float32 for t in state["model"].values())

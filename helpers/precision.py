@@ -68,10 +68,14 @@ def _fsdp_params(model):
     """(FSDPParam, its group's MixedPrecisionPolicy) for every FSDP2 unit's parameters."""
     from torch.distributed.fsdp import FSDPModule
 
+    seen = set()  # a unit of several modules (norm + lm_head) shares one group: count it once
     for m in model.modules():
         if isinstance(m, FSDPModule):
             group = m._get_fsdp_state()._fsdp_param_group
-            for f in group.fsdp_params if group else []:
+            if group is None or id(group) in seen:
+                continue
+            seen.add(id(group))
+            for f in group.fsdp_params:
                 yield f, group.mp_policy
 
 

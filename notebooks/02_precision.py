@@ -573,5 +573,5 @@ from helpers import widgets
 widgets.ControlPanel("02", {"FSDP low precision": "launch_configs/fsdp/full_shard_low_precision.yaml",
                             "FSDP aligned": "launch_configs/fsdp/full_shard.yaml",
                             "DeepSpeed ZeRO-3": "launch_configs/deepspeed/zero3.yaml"},
-                     args="$ARGS --steps $STEPS --lr $LR",
+                     args="$ARGS --steps $STEPS --lr $LR --track-updates",
                      selected=["FSDP low precision", "FSDP aligned", "DeepSpeed ZeRO-3"])

@@ -43,7 +43,8 @@ def test_panels_build_without_running_anything(tmp_path, monkeypatch):
 
 def test_run_button_launches_and_redraws(tmp_path, monkeypatch):
     monkeypatch.setattr(widgets, "RUNS", tmp_path)
-    p = widgets.ControlPanel("t", {"FSDP": "launch_configs/fsdp/full_shard.yaml"}, selected=["FSDP"], steps=3)
+    p = widgets.ControlPanel("t", {"FSDP": "launch_configs/fsdp/full_shard.yaml"}, selected=["FSDP"],
+                            args="--model tiny --steps 3")
     p.world.value = 1
     p.button.click()
     assert p.progress.value == p.progress.max == 3 and p.progress.bar_style == "success", p.status.value

@@ -439,6 +439,7 @@ print(f"implicit clipping: losses part at step {clip.first_step}; first tensor: 
 #         --trace-tensors | tail -n 1
 # done
 # python -m helpers.compare notebooks/runs/02_accum_full_shard notebooks/runs/02_accum_zero3
+# echo "exit status $? (0: identical, 1: they differ)"
 
 # %%
 acc_f, acc_d = results.load_runs("notebooks/runs/02_accum_full_shard", "notebooks/runs/02_accum_zero3")
@@ -492,6 +493,7 @@ del default_linear["zero_optimization"]["memory_efficient_linear"]
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.families --config notebooks/runs/02_configs/zero3_default_linear.yaml \
 #     --out notebooks/runs/02_families_default_linear --steps $TRACE --families llama,qwen2 | tail -n 1
 # python -m helpers.compare notebooks/runs/02_families_full_shard/qwen2 notebooks/runs/02_families_default_linear/qwen2
+# echo "exit status $? (0: identical, 1: they differ)"
 
 # %%
 import pandas as pd  # noqa: E402

@@ -39,8 +39,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
-
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
               "grad_before_reduce", "reduce_dtype", "stored_grad", "optimizer_grad", "optimizer_states")
@@ -238,16 +236,6 @@ class UpdateTracker:
             counts[2] += new.numel()
         self._before = None
         return counts
-
-    def after(self) -> dict:
-        """The fractions for the step just taken (every rank calls this: it all-reduces)."""
-        if not self.enabled:
-            return {"updated_fraction": None, "updated_fraction_compute": None}
-        counts = self.counts()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            comm.all_reduce(counts)  # a CPU tensor (the shards may be on the host too, under offload)
-        return {"updated_fraction": float(counts[0] / counts[2]),
-                "updated_fraction_compute": float(counts[1] / counts[2])}
 
 
 # ----------------------------------------------------------------- the seeds' table, next to the measurement

@@ -62,14 +62,26 @@ def test_fsdp_grad_norm_of_host_grads_reduces_on_the_group_device(world1):
     assert len(check.calls) == 1 and check.calls[0][3]
 
 
-def test_updated_fraction_reduces_on_the_group_device(world1, monkeypatch):
-    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)  # takes the multi-rank branch
+def test_updated_fraction_is_summed_on_the_job_device(monkeypatch):
+    # the tracker's counts stay where the shards are (the host, under offload); the job sums them with the
+    # step's other numbers in one all-reduce, on the job's device (a GPU run's nccl group serves no CPU tensor)
+    from helpers.train import sum_over_ranks
+
     old, new = torch.zeros(4), torch.tensor([0.0, 1.0, 0.0, 0.0])
     tracker = object.__new__(precision.UpdateTracker)
-    tracker.enabled, tracker._before, tracker._shards = True, [old], lambda: [(new, torch.float32)]
-    with comm.CollectiveCheck(simulate_accelerator=True) as check:
-        assert tracker.after() == {"updated_fraction": 0.25, "updated_fraction_compute": 0.25}
-    assert len(check.calls) == 1 and check.calls[0][3]
+    tracker.enabled, tracker._before, tracker._shards = True, [old], lambda: [(new, torch.float16)]
+    counts = tracker.counts()
+    assert counts.tolist() == [1.0, 1.0, 4.0] and counts.dtype == torch.float64
+    seen = []
+
+    def all_reduce(t, *a, **k):
+        seen.append(t.device)
+        raise StopIteration
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with pytest.raises(StopIteration):
+        sum_over_ranks({"loss": 1.5, "changed": counts[0], "elements": counts[2]}, torch.device("meta"))
+    assert seen == [torch.device("meta")]
 
 
 def test_adam_step_counters_on_the_host_are_not_offload():

@@ -1,0 +1,95 @@
+"""Sentences a notebook says about its own runs, checked where they are said.
+
+A notebook states a result in one line of code, next to the numbers it rests on::
+
+    claim("FSDP offload moves every state to the host", fsdp_host == fsdp_total,
+          host_MB=fsdp_host / 1e6, total_MB=fsdp_total / 1e6)
+
+prints ``✓ FSDP offload moves every state to the host  [host_MB=1.2, total_MB=1.2]`` and, when the
+condition is false, raises ``ClaimFailed`` with the same sentence and numbers, so the cell (and nbval,
+and ``make notebooks``) fails instead of the notebook saying something its own output contradicts.
+
+Timings on a shared CPU are noisy. ``timing`` compares two sets of step times (the steps of a run, or
+repeated runs) and says "faster" or "slower" only when their spreads do not overlap; otherwise "within
+this machine's noise". A notebook claims a speed difference only through it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+class ClaimFailed(AssertionError):
+    """A sentence of the notebook no longer holds for the runs it describes."""
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    return str(v)
+
+
+def claim(sentence: str, holds: bool, **numbers) -> None:
+    """Print ``sentence`` with the numbers it rests on; raise ``ClaimFailed`` when ``holds`` is false."""
+    nums = ", ".join(f"{k}={_fmt(v)}" for k, v in numbers.items())
+    if not holds:
+        raise ClaimFailed(f"this sentence no longer holds: {sentence} [{nums}]")
+    print(f"✓ {sentence}" + (f"  [{nums}]" if nums else ""))
+
+
+@dataclass
+class Timing:
+    """Two sets of times compared by their spread (quartiles), not by one number."""
+
+    name_a: str
+    name_b: str
+    median_a: float
+    median_b: float
+    spread_a: tuple[float, float]  # (25th, 75th percentile)
+    spread_b: tuple[float, float]
+
+    @property
+    def ratio(self) -> float:
+        """median a / median b."""
+        return self.median_a / self.median_b
+
+    @property
+    def verdict(self) -> str:
+        """"slower" / "faster" (a against b) when the spreads do not overlap, else "within noise"."""
+        if self.spread_a[0] > self.spread_b[1]:
+            return "slower"
+        if self.spread_a[1] < self.spread_b[0]:
+            return "faster"
+        return "within noise"
+
+    def __str__(self) -> str:
+        said = {"slower": "slower than", "faster": "faster than", "within noise": "within this machine's noise of"}
+        return (f"{self.name_a} {self.median_a * 1e3:.0f} ms (quartiles {self.spread_a[0] * 1e3:.0f}-"
+                f"{self.spread_a[1] * 1e3:.0f}) vs {self.name_b} {self.median_b * 1e3:.0f} ms "
+                f"({self.spread_b[0] * 1e3:.0f}-{self.spread_b[1] * 1e3:.0f}): x{self.ratio:.2f}, "
+                f"{said[self.verdict]} {self.name_b}")
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def timing(name_a: str, a, name_b: str, b) -> Timing:
+    """Compare times ``a`` and ``b`` (seconds; e.g. a run's per-step times, first step left out)."""
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if not a or not b:
+        raise ValueError(f"timing: no times for {name_a if not a else name_b}")
+    return Timing(name_a, name_b, statistics.median(a), statistics.median(b), _quartiles(a), _quartiles(b))
+
+
+def step_times(run, skip: int = 1) -> list[float]:
+    """A run's per-step times (``metrics.jsonl``), the first ``skip`` steps left out (start-up, first gather)."""
+    return [float(x) for x in run.metrics["step_time_s"].iloc[skip:]]

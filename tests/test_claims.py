@@ -1,0 +1,30 @@
+"""The notebooks' claim helper: a false sentence fails its cell; timings are compared by their spread."""
+
+import pytest
+
+from helpers.claims import ClaimFailed, claim, timing
+
+
+def test_a_true_claim_prints_its_numbers(capsys):
+    claim("host holds everything", True, host_MB=1.23456, total_MB=1.23456)
+    assert capsys.readouterr().out == "✓ host holds everything  [host_MB=1.235, total_MB=1.235]\n"
+
+
+def test_a_false_claim_fails_with_the_sentence_and_numbers(capsys):
+    with pytest.raises(ClaimFailed, match=r"no longer holds: offload is slower \[ratio=0\.9\]"):
+        claim("offload is slower", 0.9 > 1, ratio=0.9)
+    assert capsys.readouterr().out == ""
+
+
+def test_timing_says_faster_or_slower_only_when_the_spreads_part():
+    fast, slow = [0.10, 0.11, 0.12, 0.11], [0.20, 0.21, 0.19, 0.22]
+    assert timing("a", fast, "b", slow).verdict == "faster"
+    assert timing("a", slow, "b", fast).verdict == "slower"
+    t = timing("a", [0.10, 0.30, 0.12, 0.25], "b", [0.11, 0.20, 0.28, 0.13])
+    assert t.verdict == "within noise" and "within this machine's noise of b" in str(t)
+    assert timing("a", slow, "b", fast).ratio == pytest.approx(0.205 / 0.11)
+
+
+def test_timing_refuses_no_times():
+    with pytest.raises(ValueError, match="no times for b"):
+        timing("a", [0.1], "b", [])

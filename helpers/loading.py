@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .models import from_pretrained
 
 METHODS = ("naive", "fsdp_ram_efficient", "zero3_init")
 
@@ -131,9 +132,7 @@ def fsdp_fill(engine, spec, dtype, device) -> None:
     model.to_empty(device=device)
     full = {}
     if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
-        full = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype).state_dict()
+        full = from_pretrained(spec.path, dtype).state_dict()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
     fix_rotary(model, device)
@@ -141,11 +140,10 @@ def fsdp_fill(engine, spec, dtype, device) -> None:
 
 def zero3_model(spec, dtype, ds_config: dict):
     """from_pretrained inside deepspeed.zero.Init, through transformers' DeepSpeed integration."""
-    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     keep = HfDeepSpeedConfig(ds_config)  # transformers looks it up through a weak reference
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+    model = from_pretrained(spec.path, dtype)
     model.config.use_cache = False
     model._guide_hf_ds_config = keep
     return model

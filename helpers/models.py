@@ -108,6 +108,16 @@ def model_config(spec: ModelSpec):
     return cfg
 
 
+def from_pretrained(path, dtype):
+    """``AutoModelForCausalLM.from_pretrained`` without its per-rank "Loading weights" progress bar (every rank
+    drawing one interleaves into unreadable fragments in a job's output)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
 def build_model(spec: ModelSpec, dtype: torch.dtype, seed: int, device: str | torch.device = "cpu"):
     """Build the causal LM in ``dtype`` ("loaded as"), identical on every rank.
 
@@ -118,7 +128,7 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, seed: int, device: str | to
     from transformers import AutoModelForCausalLM
 
     if spec.kind == "pretrained":
-        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)
+        model = from_pretrained(spec.path, dtype)
     else:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config(spec), dtype=torch.float32)

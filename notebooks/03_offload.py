@@ -47,6 +47,7 @@
 import os
 
 from helpers import nb, offload, plots, results
+from helpers.claims import claim, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 4 if SIZE == "quick" else 10
@@ -168,25 +169,38 @@ def places(label, cat, rank=0):
 
 
 ALL3 = ("params", "grads", "optimizer_states")
-for rank in range(NPROC):
-    for cat in ALL3:  # FSDP: one switch moves params, grads and optimizer states together
-        assert places("FSDP, no offload", cat, rank) == {"device"}, cat
-        assert places("FSDP offload", cat, rank) == {"host"}, cat
-    assert places("DeepSpeed optimizer", "params", rank) == {"device"}  # DeepSpeed: the optimizer alone
-    for cat in ("optimizer_states", "master_params", "grads"):
-        assert places("DeepSpeed optimizer", cat, rank) == {"host"}, cat
-    both = offload.where(RUNS["DeepSpeed params + optimizer"], "params", rank)
-    alone = offload.where(RUNS["DeepSpeed optimizer"], "params", rank)
-    assert both["host"] > 0 and both["host"] + both.get("device", 0) == alone["device"], (both, alone)
-    if NVME_OK:
-        assert places("DeepSpeed NVMe", "master_params", rank) == {"disk"}
-        states = offload.where(RUNS["DeepSpeed NVMe"], "optimizer_states", rank)  # all but Adam's step counters
-        assert states["disk"] > 1000 * states.get("host", 0), states
-        if RUNS["DeepSpeed NVMe"].summary["model"] == "tiny":  # every partition under 1 MiB: none swapped
-            assert "disk" not in places("DeepSpeed NVMe", "params", rank)
-assert RUNS["FSDP offload"].summary["memory_bytes"] == RUNS["FSDP, no offload"].summary["memory_bytes"]
-print("FSDP moves params, grads and optimizer states together; DeepSpeed moves the optimizer alone, or "
-      "params too" + ("; NVMe states are on disk" if NVME_OK else ""))
+R = range(NPROC)
+claim("FSDP without offload keeps params, grads and optimizer states on the device, on every rank",
+      all(places("FSDP, no offload", c, r) == {"device"} for c in ALL3 for r in R))
+claim("FSDP offload moves all three to the host together, on every rank",
+      all(places("FSDP offload", c, r) == {"host"} for c in ALL3 for r in R))
+claim("FSDP offload holds the same bytes as no offload (it moves them, adds none)",
+      RUNS["FSDP offload"].summary["memory_bytes"] == RUNS["FSDP, no offload"].summary["memory_bytes"])
+claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the fp32 master, Adam's states "
+      "and the grad partitions on the host",
+      all(places("DeepSpeed optimizer", "params", r) == {"device"} for r in R)
+      and all(places("DeepSpeed optimizer", c, r) == {"host"}
+              for c in ("optimizer_states", "master_params", "grads") for r in R))
+host_grads = [offload.where(RUNS["DeepSpeed optimizer"], "grads", r)["host"] for r in R]
+dev_grads = [sum(offload.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
+claim("with offload_optimizer DeepSpeed holds more gradient bytes (an fp32 copy for the host-side step)",
+      all(h > d for h, d in zip(host_grads, dev_grads)), host_MB=[h / 1e6 for h in host_grads],
+      no_offload_MB=[d / 1e6 for d in dev_grads])
+both = [offload.where(RUNS["DeepSpeed params + optimizer"], "params", r) for r in R]
+alone = [offload.where(RUNS["DeepSpeed optimizer"], "params", r) for r in R]
+claim("adding offload_param moves some of the same param bytes to the host; the small persistent ones stay",
+      all(b.get("host", 0) > 0 and b.get("device", 0) > 0 and b["host"] + b["device"] == a["device"]
+          for b, a in zip(both, alone)),
+      host_MB=[b.get("host", 0) / 1e6 for b in both], device_MB=[b.get("device", 0) / 1e6 for b in both])
+if NVME_OK:
+    states = [offload.where(RUNS["DeepSpeed NVMe"], "optimizer_states", r) for r in R]
+    claim("with NVMe the fp32 master is on disk and Adam's states too (all but the step counters)",
+          all(places("DeepSpeed NVMe", "master_params", r) == {"disk"} for r in R)
+          and all(st["disk"] > 1000 * st.get("host", 0) for st in states),
+          disk_MB=[st["disk"] / 1e6 for st in states], host_bytes=[st.get("host", 0) for st in states])
+    if RUNS["DeepSpeed NVMe"].summary["model"] == "tiny":
+        claim("no param partition of the tiny model reaches 1 MiB, so none is swapped to disk",
+              all("disk" not in places("DeepSpeed NVMe", "params", r) for r in R))
 
 # %% [markdown]
 # The disk bytes are the swap files themselves, each rank's own (`helpers.offload`
@@ -197,7 +211,9 @@ if NVME_OK:
     nvme = RUNS["DeepSpeed NVMe"]
     files = sorted((nvme.path / "nvme_swap" / "zero_stage_3").glob("*/rank0/*.swp"))
     on_disk = sum(f.stat().st_size for f in files)
-    assert on_disk == sum(v["disk"] for v in nvme.summary["memory_location_bytes"][0].values()) > 0
+    counted = sum(v["disk"] for v in nvme.summary["memory_location_bytes"][0].values())
+    claim("rank 0's disk bytes in the table are exactly its swap files", on_disk == counted > 0,
+          files_MB=on_disk / 1e6, table_MB=counted / 1e6)
     print(f"rank 0: {len(files)} swap files, {on_disk / 1e6:.1f} MB; largest: "
           + ", ".join(f"{f.parent.parent.name}/{f.name} {f.stat().st_size / 1e6:.1f} MB"
                       for f in sorted(files, key=lambda f: -f.stat().st_size)[:3]))
@@ -208,43 +224,55 @@ else:
 # ## 2 · Totals per location
 #
 # The same bytes added up per location, next to the process's peak anonymous memory
-# (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated`). On this machine the
-# peak does not fall with offload - host and device are one memory - and NVMe trades
-# state for its staging buffers.
+# (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On a GPU
+# the device peak is what offload lowers; on this machine host and device are one memory,
+# so the process's peak cannot fall:
 
 # %%
 totals = offload.location_totals(RUNS)
 totals["peak MB (rank 0)"] = [r.summary["peak_memory_bytes"][0] / 1e6 for r in RUNS.values()]
 print(totals.round(1).to_string())
+peak = {label: r.summary["peak_memory_bytes"][0] for label, r in RUNS.items()}
+if GPUS:
+    claim("FSDP offload lowers the device peak", peak["FSDP offload"] < peak["FSDP, no offload"],
+          offload_MB=peak["FSDP offload"] / 1e6, none_MB=peak["FSDP, no offload"] / 1e6)
+else:
+    claim("on one RAM, FSDP offload does not lower the process's peak (within 5%)",
+          peak["FSDP offload"] > 0.95 * peak["FSDP, no offload"],
+          offload_MB=peak["FSDP offload"] / 1e6, none_MB=peak["FSDP, no offload"] / 1e6)
 
 # %% [markdown]
 # ## 3 · What the copies cost
 #
-# Median step time (first step excluded) of each run, as a ratio to the same backend
-# without offload. Timings on a shared 2-core machine vary by 15% or more between runs of
-# the same config: read the large ratios, not the small ones.
+# Step time of each run against the same backend without offload: every step but the
+# first, compared by their spread (quartiles), since a 2-core machine shared with other work
+# varies by 15% or more between runs of the same config. A run is called faster or slower
+# only when the two spreads do not overlap (`helpers.claims.timing`).
 
 # %%
-ratio = {label: r.summary["step_time_s"] / BASE[label].summary["step_time_s"] for label, r in RUNS.items()}
+TIMES = {label: timing(label, step_times(r), "no offload", step_times(BASE[label]))
+         for label, r in RUNS.items() if BASE[label] is not r}
+ratio = {label: t.ratio for label, t in TIMES.items()}
 ax = plots.plt.subplots()[1]
-ax.bar(list(ratio), list(ratio.values()),
-       color=[plots.COLORS[r.backend] for r in RUNS.values()])
+ax.bar(list(ratio), list(ratio.values()), color=[plots.COLORS[RUNS[label].backend] for label in ratio])
 ax.axhline(1, color="black", lw=0.8)
-ax.set(ylabel="step time / no offload", title="step time relative to the same backend without offload")
+ax.set(ylabel="median step time / no offload", title="step time relative to the same backend without offload")
 ax.tick_params(axis="x", rotation=20)
-for label, x in ratio.items():
-    print(f"{label:30s} {RUNS[label].summary['step_time_s'] * 1e3:8.0f} ms  x{x:.2f}")
-
-# %%
-assert all(0 < x < float("inf") for x in ratio.values()), ratio
+ax.figure.tight_layout()
+for t in TIMES.values():
+    print(t)
+claim("every ratio is a real measurement (two runs, each with steps after the first)",
+      all(len(step_times(RUNS[label])) >= 2 and 0 < x < float("inf") for label, x in ratio.items()), ratio=ratio)
 
 # %% [markdown]
-# **What it means here.** Without an accelerator, "copying to the host" is a copy within
-# the same RAM and the optimizer runs on the same cores either way, so CPU offload costs
-# little; NVMe adds writing and reading the swap files every step. On a GPU the picture
-# flips: each offloaded state crosses PCIe every step (params twice, for forward and
-# backward; gradients down, updated weights up) and a host optimizer step is slower than
-# a GPU one - that time is the price of the accelerator memory offload frees.
+# **What it means.** The lines above say, for each run, whether its steps were slower than
+# without offload *on this machine*, or within its noise. Without an accelerator, "copying to
+# the host" is a copy within the same RAM and the optimizer runs on the same cores either way,
+# so CPU offload has little to cost here; NVMe adds reads and writes of the swap files, which
+# the page cache may absorb. On a GPU the picture changes: each offloaded state crosses PCIe
+# every step (params twice, for forward and backward; gradients down, updated weights up) and
+# a host optimizer step is slower than a GPU one. That time is the price of the accelerator
+# memory offload frees; measure it there with the same cells.
 #
 # ## 4 · The losses
 
@@ -253,16 +281,19 @@ losses = {label: r.summary["losses"] for label, r in RUNS.items()}
 same = {label: losses[label] == BASE[label].summary["losses"] for label in RUNS}
 for label in RUNS:
     print(f"{label:30s} final loss {losses[label][-1]:.4f}  identical to no offload: {same[label]}")
-assert all(same.values()), same
-assert losses["FSDP, no offload"] == losses["DeepSpeed, no offload"]  # the aligned pair (notebook 02)
+claim("every offload setting trains bit-identically to the same backend without offload", all(same.values()),
+      identical=same)
+claim("the FSDP runs train bit-identically to the DeepSpeed runs (the aligned pair of notebook 02)",
+      losses["FSDP, no offload"] == losses["DeepSpeed, no offload"])
 if SIZE == "full" and NPROC == 2:  # the last of 10 steps is notebook 00's bump at step 9 (the learning rate)
-    assert losses["FSDP, no offload"][9] > losses["FSDP, no offload"][8] + 0.3
+    claim("the last loss is step 9's one-step bump (notebook 00), not a stall",
+          losses["FSDP, no offload"][9] > losses["FSDP, no offload"][8] + 0.3,
+          step8=losses["FSDP, no offload"][8], step9=losses["FSDP, no offload"][9])
 
 # %% [markdown]
-# Every offload setting trains bit-identically to no offload, and the FSDP runs to the
-# DeepSpeed runs: offload changes where the arithmetic happens and where the bytes wait,
-# not the arithmetic. At full size the final loss is step 9's, the one-step bump every tiny
-# run has there (notebook 00 explains it: the learning rate), not a sign that training stalled.
+# Offload changes where the arithmetic happens and where the bytes wait, not the arithmetic.
+# At full size the final loss is step 9's, the one-step bump every tiny run has there
+# (notebook 00 explains it: the learning rate), not a sign that training stalled.
 # (On a GPU, a host-side optimizer step can round differently from the
 # GPU's kernels; then check the curves agree closely rather than bit for bit.)
 #
@@ -274,7 +305,9 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is notebook 00's bump 
 print(f"{RUNS['FSDP, no offload'].summary['num_params'] / 1e6:.1f}M params, {NPROC} ranks, {STEPS} steps, "
       f"on {RUNS['FSDP, no offload'].summary['device']}; MB on rank 0 (device / host / disk):")
 for label, row in totals.iterrows():
-    print(f"  {label:30s} {row['device']:7.1f} / {row['host']:7.1f} / {row['disk']:7.1f}   step time x{ratio[label]:.2f}")
+    t = TIMES.get(label)
+    print(f"  {label:30s} {row['device']:7.1f} / {row['host']:7.1f} / {row['disk']:7.1f}   "
+          + (f"step time x{t.ratio:.2f} ({t.verdict})" if t else "(the baseline)"))
 if not NVME_OK:
     print(f"  DeepSpeed NVMe: skipped ({NVME_STATE})")
 
@@ -286,9 +319,9 @@ if not NVME_OK:
 #   small persistent params next to the compute; only tensors of at least 1 MiB per rank
 #   go to disk.
 # * Losses do not change with offload. On this CPU-only machine nothing is saved - the
-#   locations are one RAM - and the step-time ratios are the bookkeeping and the copies;
-#   on a GPU the "device" column is what offload frees, paid for in PCIe traffic and a
-#   host-side optimizer step.
+#   locations are one RAM - and a step-time difference is claimed only where the spreads
+#   part (the verdicts above); on a GPU the "device" column is what offload frees, paid for
+#   in PCIe traffic and a host-side optimizer step.
 
 # %% [markdown]
 # ## Optional: try other settings

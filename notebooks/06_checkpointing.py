@@ -38,6 +38,7 @@ from pathlib import Path
 import pandas as pd
 
 from helpers import checkpoint, nb, plots, results
+from helpers.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, a smaller model, fewer steps
 MODEL, K = ("tiny", 2) if SIZE == "quick" else ("tiny", 4)
@@ -139,16 +140,17 @@ fig.tight_layout()
 # counter were exactly what the uninterrupted job had. The check:
 
 # %%
-assert relay.step.tolist() == list(range(3 * K))
-assert relay.loss.tolist() == straight.summary["losses"], "the relay left the uninterrupted trajectory"
-assert leg_ds.summary["resumed_from"]["backend"] == "fsdp" and leg_ds.backend == "deepspeed"
-assert leg_fsdp.summary["resumed_from"]["backend"] == "deepspeed" and leg_fsdp.backend == "fsdp"
-print(f"bit-identical at all {3 * K} steps, across FSDP -> DeepSpeed -> FSDP")
+claim("the relay's legs ran on the backends they name, each resumed from the other",
+      leg_ds.summary["resumed_from"]["backend"] == "fsdp" and leg_ds.backend == "deepspeed"
+      and leg_fsdp.summary["resumed_from"]["backend"] == "deepspeed" and leg_fsdp.backend == "fsdp")
+claim(f"the relay's loss is bit-identical to the uninterrupted run's at all {3 * K} steps",
+      relay.step.tolist() == list(range(3 * K)) and relay.loss.tolist() == straight.summary["losses"],
+      max_difference=float(abs(diff).max()))
 
 # %% [markdown]
-# Moving only the weights is not enough: Adam would restart with zero moments and step 1,
-# and the loss drifts off the line from the first step after the switch. That is why the
-# converter carries the optimizer state too.
+# Moving only the weights is not enough for this: Adam would restart with zero moments and
+# step 1, so the first update after the switch would differ from the uninterrupted run's.
+# That is why the converter carries the optimizer state too.
 #
 # ## What each kind of checkpoint costs
 #
@@ -184,15 +186,25 @@ table.round({"save_s": 2, "MB": 2})
 
 # %%
 n = straight.summary["num_params"]
-sizes = table.MB * 1e6
-assert abs(sizes["FSDP FULL"] - 12 * n) / (12 * n) < 0.10  # fp32 weights + two fp32 Adam moments
-assert abs(sizes["FSDP SHARDED (DCP)"] - sizes["FSDP FULL"]) / sizes["FSDP FULL"] < 0.05
-assert abs(sizes["DeepSpeed ZeRO-3"] - 12 * n) / (12 * n) < 0.10  # plus a little padding and bookkeeping
-assert abs(sizes["DeepSpeed 16-bit weights"] - 2 * n) / (2 * n) < 0.05  # bf16 weights only
-assert abs(sizes["export hf safetensors"] - 4 * n) / (4 * n) < 0.05  # fp32 weights only
-assert table.loc["DeepSpeed 16-bit weights", "dtypes"] == {"model": ["bfloat16"]}
-assert table.loc["FSDP SHARDED (DCP)", "dtypes"] == {"model": ["float32"], "optim": ["float32"]}
-print(f"{n / 1e6:.2f}M params: a resumable checkpoint is ~12 bytes/param, 16-bit weights 2, safetensors fp32 4")
+per_param = (table.MB * 1e6 / n).round(2)
+
+
+def near(kind, want, tol):
+    return abs(per_param[kind] - want) / want < tol
+
+
+claim("a resumable checkpoint is about 12 bytes per parameter on both backends (within 10%)",
+      near("FSDP FULL", 12, 0.10) and near("FSDP SHARDED (DCP)", 12, 0.10) and near("DeepSpeed ZeRO-3", 12, 0.10),
+      bytes_per_param=per_param[["FSDP FULL", "FSDP SHARDED (DCP)", "DeepSpeed ZeRO-3"]].to_dict())
+claim("FULL and SHARDED hold the same bytes (within 5%), all fp32",
+      abs(per_param["FSDP SHARDED (DCP)"] - per_param["FSDP FULL"]) / per_param["FSDP FULL"] < 0.05
+      and table.loc["FSDP SHARDED (DCP)", "dtypes"] == {"model": ["float32"], "optim": ["float32"]})
+claim("DeepSpeed's 16-bit file holds bf16 weights only: 2 bytes per parameter, 6x smaller",
+      near("DeepSpeed 16-bit weights", 2, 0.05)
+      and table.loc["DeepSpeed 16-bit weights", "dtypes"] == {"model": ["bfloat16"]},
+      bytes_per_param=per_param["DeepSpeed 16-bit weights"])
+claim("the safetensors export holds fp32 weights only: 4 bytes per parameter", near("export hf safetensors", 4, 0.05),
+      bytes_per_param=per_param["export hf safetensors"])
 
 # %% [markdown]
 # **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter
@@ -212,8 +224,9 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 hf = AutoModelForCausalLM.from_pretrained(CK / "hf", dtype=torch.float32)
 full = checkpoint.load_full(CK / "full" / f"step_{3 * K}")["model"]
-assert all(torch.equal(p, full[name]) for name, p in hf.named_parameters())
-print(type(hf).__name__, f"{sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M params, equal to the last checkpoint")
+claim(f"transformers loads the export as {type(hf).__name__}, every tensor equal to the last checkpoint's",
+      all(torch.equal(p, full[name]) for name, p in hf.named_parameters()),
+      params_M=sum(p.numel() for p in hf.parameters()) / 1e6)
 
 # %% [markdown]
 # ## Recap

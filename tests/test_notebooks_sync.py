@@ -1,6 +1,7 @@
 """The .py percent file is the source; its paired .ipynb must hold the same cells."""
 
 import ast
+import re
 from pathlib import Path
 
 import jupytext
@@ -80,3 +81,19 @@ def test_outputs_come_from_one_run_of_the_current_source(py):
     assert not errors, f"{py.stem}: code cells {errors} hold an error output"
     stale = {i: why for i, c in enumerate(code) if (why := stale_reasons(c))}
     assert not stale, f"{py.stem}: outputs older than the source (code cell index: why): {stale}"
+    first = "".join(_text(o) for o in code[0].get("outputs", []))
+    assert "size=full" in first, f"{py.stem}: not executed at full size (first cell printed {first[:80]!r})"
+    noisy = {i: m.group(0) for i, c in enumerate(code) for o in c.get("outputs", [])
+             if (m := NOISE.search(_text(o)))}
+    assert not noisy, f"{py.stem}: outputs a learner should not see (code cell index: text): {noisy}"
+
+
+# what a learner should not have to read in a committed output: op builds, per-rank progress fragments, warnings
+NOISE = re.compile(r"built successfully|Loading weights|\[WARNING\]|FutureWarning|UserWarning|Traceback")
+
+
+def _text(output) -> str:
+    if "text" in output:
+        return "".join(output["text"]) if isinstance(output["text"], list) else output["text"]
+    data = output.get("data", {}).get("text/plain", "")
+    return "".join(data) if isinstance(data, list) else data

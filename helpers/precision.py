@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .models import clean_fqn
 
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
@@ -100,7 +101,7 @@ class DtypeProbe:
     def attach(self, engine) -> None:
         """Call once the backend is applied: hooks the optimizer step."""
         self.engine = engine
-        self.param = dict(engine.module.named_parameters())[self.name]
+        self.param = {clean_fqn(n): p for n, p in engine.module.named_parameters()}[clean_fqn(self.name)]
         _inner_optimizer(engine).register_step_pre_hook(self._before_step)
 
     def arm(self) -> None:

@@ -575,7 +575,9 @@ def _read_ds_ac(c: _Checker, js: dict, path: str) -> None:
                "model's activation checkpointing on)")
     for k, v in sec.items():
         if k not in _DS_AC_KEYS:
-            c.unknown("activation_checkpointing.", k, _DS_AC_KEYS)
+            near = difflib.get_close_matches(str(k), list(_DS_AC_KEYS), n=1)
+            c.fail(f"{path}: unknown key activation_checkpointing.{k}{f' (did you mean {near[0]}?)' if near else ''}"
+                   f"; allowed: {', '.join(sorted(_DS_AC_KEYS))}")
         rule, default, _ = _DS_AC_KEYS[k]
         if v is not None and v != default:
             c.value(f"{path}: activation_checkpointing.{k}", v, rule)

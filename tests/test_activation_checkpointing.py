@@ -61,8 +61,9 @@ def test_checkpointing_changes_no_loss_grad_norm_or_tensor(sweeps, family, a, b)
 def jobs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ac_jobs")
     out = {}
+    ckpt = ("--checkpoint-dir", str(base / "ckpt"), "--checkpoint-every", "2")
     for name, cfg in (("fsdp", FSDP), ("fsdp_ac", FSDP_AC), ("zero3_ac", ZERO3_AC)):
-        proc = run_job(cfg, base / name, 2, "--model", "tiny", "--steps", "3")
+        proc = run_job(cfg, base / name, 2, "--model", "tiny", "--steps", "3", *(ckpt if name == "fsdp_ac" else ()))
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
         out[name] = base / name
     return out
@@ -83,6 +84,17 @@ def test_job_names_its_one_mechanism_and_holds_fewer_bytes(jobs):
     # both mechanisms hold the same tensors (each block's inputs), far fewer than every activation
     assert s["fsdp_ac"]["activation_bytes_per_sample"] == s["zero3_ac"]["activation_bytes_per_sample"]
     assert s["fsdp_ac"]["activation_bytes_per_sample"] < 0.5 * s["fsdp"]["activation_bytes_per_sample"]
+
+
+def test_a_checkpointed_jobs_checkpoint_resumes_without_checkpointing(jobs, tmp_path):
+    """checkpoint_wrapper adds a step to parameter names; checkpoints keep the model's own names, so a run
+    saved with checkpointing resumes without it (and the losses go on as before)."""
+    ckpt = jobs["fsdp_ac"].parent / "ckpt" / "step_2"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert not any("_checkpoint_wrapped_module" in n for n in meta["param_shapes"])
+    proc = run_job(FSDP, tmp_path / "resumed", 2, "--model", "tiny", "--steps", "3", "--resume", str(ckpt))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary(tmp_path / "resumed")["losses"] == summary(jobs["fsdp"])["losses"][2:]
 
 
 # --------------------------------------------------------------------------- held bytes, exactly (in process)

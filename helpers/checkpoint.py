@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import safeload
+from .models import clean_fqn
 
 META = "meta.json"
 FORMATS = ("sharded", "full", "deepspeed")
@@ -98,7 +99,7 @@ def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     out = {}
     for name, p in model.named_parameters():
         shape = getattr(p, "ds_shape", None) or p.shape  # ZeRO-3 keeps an empty p.data
-        out[name] = list(shape)
+        out[clean_fqn(name)] = list(shape)  # as the state dict names it, with or without checkpoint_wrapper
     return out
 
 

@@ -82,7 +82,8 @@ class FSDPOptions:
     min_num_params: int = 100_000_000  # SIZE_BASED_WRAP threshold
     forward_prefetch: bool = False
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"] = "BACKWARD_PRE"
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # checkpoint_wrapper per decoder block (helpers.recompute)
+    activation_checkpointing_offload: bool = False  # its held inputs in pinned host memory (GPU)
     use_orig_params: bool = True  # FSDP1 only; FSDP2 always trains the original params
 
 
@@ -137,10 +138,10 @@ _FSDP_KEYS = {
     "fsdp_min_num_params": int,
     "fsdp_forward_prefetch": bool,
     "fsdp_backward_prefetch": ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"],
-    # checked and kept (helpers.translate reads them), but no effect on an FSDP2 job here: see _NO_EFFECT_KEY
-    "fsdp_sync_module_states": bool,
     "fsdp_activation_checkpointing": bool,
     "fsdp_activation_checkpointing_offload": bool,
+    # checked and kept (helpers.translate reads them), but no effect on an FSDP2 job here: see _NO_EFFECT_KEY
+    "fsdp_sync_module_states": bool,
     "fsdp_use_orig_params": bool,
 }
 _DS_KEYS = {
@@ -188,9 +189,6 @@ _NO_EFFECT_KEY = {
                      "commands", "downcast_bf16"], _TPU),
     "debug": "accelerate launch's collective checks (ACCELERATE_DEBUG_MODE); this guide does not run them",
     "use_cpu": "the device follows the machine here: one GPU per rank when CUDA is present, else the CPU",
-    "fsdp_activation_checkpointing": "this guide does not recompute activations: every activation is kept",
-    "fsdp_activation_checkpointing_offload": "this guide does not recompute activations, so there is nothing "
-                                             "to offload",
     "fsdp_use_orig_params": "an FSDP1 setting; FSDP2 (fully_shard) always trains the original parameters",
     "fsdp_sync_module_states": "every rank here starts from the same weights (same seed or file), and "
                                "fsdp_cpu_ram_efficient_loading always broadcasts rank 0's",
@@ -200,6 +198,21 @@ _NO_EFFECT_KEY = {
                                                     "starts every rank"),
     "parallelism_config_cp_backend": "context parallelism; this guide runs data parallelism only (cp_size 1)",
     "parallelism_config_cp_comm_strategy": "context parallelism; this guide runs data parallelism only (cp_size 1)",
+}
+# The DeepSpeed JSON's activation_checkpointing section: its presence turns on the model's checkpointing
+# (helpers.recompute). Sub-key -> (rule, DeepSpeed's default, why it has no effect here; None: applied).
+_DSC = "DeepSpeed reads it only inside deepspeed.checkpointing.checkpoint, and the model checkpoints with torch's "
+_DS_AC_KEYS = {
+    "partition_activations": (bool, False, "splits each held activation across model-parallel ranks (Megatron's "
+                                           "mpu); this guide runs data parallelism only, and " + _DSC + "checkpoint"),
+    "cpu_checkpointing": (bool, False, None),  # the model's offload=True, on a GPU (helpers.recompute)
+    "contiguous_memory_optimization": (bool, False, "copies partitioned activations into one buffer; "
+                                       + _DSC + "checkpoint, which keeps no such buffer"),
+    "number_checkpoints": (int, None, "sizes contiguous_memory_optimization's buffer; " + _DSC + "checkpoint"),
+    "synchronize_checkpoint_boundary": (bool, False, "a device synchronize at each checkpoint boundary; " + _DSC
+                                        + "checkpoint"),
+    "profile": (bool, False, "times each checkpointed forward and backward; " + _DSC + "checkpoint (--profile "
+                "traces the whole job)"),
 }
 _NO_EFFECT_SECTION = {
     "fp8_config": "FP8 training (TransformerEngine / torchao / MS-AMP on recent GPUs); this guide trains in bf16 "
@@ -265,7 +278,10 @@ def accelerate_keys() -> dict[str, frozenset[str]]:
 
 
 def no_effect_reason(section: str, key: str) -> str | None:
-    """Why an Accelerate key has no effect in this guide; None for a key the guide applies."""
+    """Why an Accelerate key has no effect in this guide; None for a key the guide applies. Also for the
+    DeepSpeed JSON's ``activation_checkpointing`` sub-keys (section ``"activation_checkpointing"``)."""
+    if section == "activation_checkpointing":
+        return _DS_AC_KEYS[key][2]
     if key in _NO_EFFECT_KEY:
         return _NO_EFFECT_KEY[key]
     if section in _NO_EFFECT_SECTION:
@@ -408,10 +424,14 @@ def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPO
         ("fsdp_min_num_params", "min_num_params"), ("fsdp_forward_prefetch", "forward_prefetch"),
         ("fsdp_backward_prefetch", "backward_prefetch"),
         ("fsdp_activation_checkpointing", "activation_checkpointing"),
+        ("fsdp_activation_checkpointing_offload", "activation_checkpointing_offload"),
         ("fsdp_use_orig_params", "use_orig_params"),
     ]:
         if key in sec:
             setattr(o, attr, sec[key])
+    if o.activation_checkpointing_offload and not o.activation_checkpointing:
+        c.fail("fsdp_config.fsdp_activation_checkpointing_offload = true needs fsdp_activation_checkpointing: true "
+               "(it offloads what checkpointing holds; Accelerate refuses it alone too)")
     if version == 2 and ("fsdp_forward_prefetch" in sec or "fsdp_backward_prefetch" in sec):
         notes.append("fsdp_forward_prefetch / fsdp_backward_prefetch: accelerate launch ignores them under "
                      "fsdp_version 2; this guide maps them onto FSDP2's explicit prefetch (helpers.backends.fsdp)")
@@ -533,6 +553,7 @@ def _read_ds_json(c: _Checker, o: DeepSpeedOptions, path: str, notes: list[str])
         setattr(o, f"offload_{what}_device",
                 c.value(f"{path}: zero_optimization.offload_{what}.device", dev, ["none", "cpu", "nvme"]))
     o.zero3_save_16bit_model = bool(zo.get("stage3_gather_16bit_weights_on_model_save", False))
+    _read_ds_ac(c, js, path)
     bf16 = (js.get("bf16") or {}).get("enabled", False)
     fp16 = (js.get("fp16") or {}).get("enabled", False)
     if fp16 not in (False, "false"):
@@ -541,6 +562,26 @@ def _read_ds_json(c: _Checker, o: DeepSpeedOptions, path: str, notes: list[str])
         return "bf16", notes
     mp: Precision = "bf16" if c.value(f"{path}: bf16.enabled", bf16, bool) else "no"
     return mp, notes
+
+
+def _read_ds_ac(c: _Checker, js: dict, path: str) -> None:
+    """The JSON's activation_checkpointing section: each sub-key checked; one that asks for something it cannot
+    do here is remembered for a note (unapplied_notes)."""
+    if "activation_checkpointing" not in js:
+        return
+    sec = js["activation_checkpointing"]
+    if not isinstance(sec, dict):
+        c.fail(f"{path}: activation_checkpointing = {sec!r}: expected an object (even empty: {{}} turns the "
+               "model's activation checkpointing on)")
+    for k, v in sec.items():
+        if k not in _DS_AC_KEYS:
+            near = difflib.get_close_matches(str(k), list(_DS_AC_KEYS), n=1)
+            c.fail(f"{path}: unknown key activation_checkpointing.{k}{f' (did you mean {near[0]}?)' if near else ''}"
+                   f"; allowed: {', '.join(sorted(_DS_AC_KEYS))}")
+        rule, default, _ = _DS_AC_KEYS[k]
+        if v is not None and v != default:
+            c.value(f"{path}: activation_checkpointing.{k}", v, rule)
+            c.no_effect("activation_checkpointing", k, v)
 
 
 def load_job_config(path: str, overrides: dict | None = None, world_size: int | None = None) -> JobConfig:

@@ -132,6 +132,12 @@ class SavedActivations:
     Saved tensors are collected during the forward; at its end, storages that
     are freed (FSDP reshards gathered params) or belong to a parameter (weights
     saved by matmuls) are dropped, and the rest summed once per storage.
+
+    Under activation checkpointing (helpers.recompute) a block saves nothing of
+    its own (the checkpoint keeps placeholders); it holds its inputs for the
+    recompute: the positional ones reach the hook (the checkpoint saves them),
+    the keyword ones (rotary cos/sin, masks) are held by a closure and are
+    added here, from the block's forward pre-hook.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -141,13 +147,22 @@ class SavedActivations:
         self._saved.append(t)  # addresses are compared at the end: a freed one may be reused meanwhile
         return t
 
+    def _held(self, _module, args, kwargs):
+        if torch.is_grad_enabled():
+            for v in [*args, *kwargs.values()]:
+                self._saved += [t for t in (v if isinstance(v, (tuple, list)) else [v]) if torch.is_tensor(t)]
+
     def __enter__(self):
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
+        self._hooks = [m.register_forward_pre_hook(self._held, with_kwargs=True)
+                       for m in self.model.modules() if _checkpointed(m)]
         return self
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
         seen = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         self.bytes = 0
         for t in self._saved:
@@ -157,6 +172,16 @@ class SavedActivations:
                 self.bytes += storage.nbytes()
         self._saved.clear()
         return False
+
+
+def _checkpointed(m: torch.nn.Module) -> bool:
+    """A block that activation checkpointing wraps: torch's checkpoint_wrapper, or a transformers layer with its
+    own checkpointing on (helpers.recompute)."""
+    if hasattr(m, "_checkpoint_wrapped_module"):
+        return True
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing and m.training
 
 
 class StepProbe:

@@ -95,7 +95,11 @@ SUMMARY_KEYS = {
     "setup_peak_memory_bytes": "per rank (list): peak memory of the set-up (build, load, shard); on CPU the "
                                "RssAnon when training starts",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",
-    "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence",
+    "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence (with "
+                                   "activation checkpointing: what the checkpointed blocks hold, their inputs)",
+    "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
+                                "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
+                                "gradient_checkpointing (2 blocks)\" (helpers.recompute)",
     "dtypes": "dtype of one parameter (param) at each stage of a step, read from the live objects on "
               "rank 0: loaded, stored_param, master_param, optimizer_param, forward_weight, "
               "grad_before_reduce, reduce_dtype, stored_grad, optimizer_grad, optimizer_states "

@@ -150,6 +150,15 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     raise ModelSpecError(f"cannot find the transformer blocks of {type(model).__name__}")
 
 
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper / offload_wrapper (helpers.recompute)
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter's name as the model names it: checkpoint_wrapper's inner-module step left out (torch's
+    state_dict helpers leave it out too), so names match with and without activation checkpointing."""
+    return name.replace(CHECKPOINT_PREFIX, "")
+
+
 def count_params(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 init: p is empty
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .models import clean_fqn
+
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
               "grad_before_reduce", "reduce_dtype", "stored_grad", "optimizer_grad", "optimizer_states")
@@ -98,7 +100,7 @@ class DtypeProbe:
     def attach(self, engine) -> None:
         """Call once the backend is applied: hooks the optimizer step."""
         self.engine = engine
-        self.param = dict(engine.module.named_parameters())[self.name]
+        self.param = {clean_fqn(n): p for n, p in engine.module.named_parameters()}[clean_fqn(self.name)]
         _inner_optimizer(engine).register_step_pre_hook(self._before_step)
 
     def arm(self) -> None:

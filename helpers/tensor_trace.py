@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .compare import STAGES
 from .compare import TRACE_FILE as FILE
+from .models import clean_fqn
 
 _MODS = ((2_147_483_647, 48_271, 11), (2_147_483_629, 69_621, 7))  # (prime, a, b): weight (a*i + b) mod p
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -96,7 +97,7 @@ class TensorTracer:
         """Hook the model (forward: gradient hooks) and the optimizer (before/after its step)."""
         self.engine = engine
         model = engine.module
-        self.names = [n for n, _ in model.named_parameters()]
+        self.names = [clean_fqn(n) for n, _ in model.named_parameters()]  # the same with activation checkpointing
         self.index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
         self.numel = [getattr(p, "ds_numel", None) or p.numel() for _, p in model.named_parameters()]  # DTensor: global
         leaves = {}  # module -> [(attribute, index)]: which parameter a module's attribute is

@@ -233,6 +233,7 @@ def validate(args: argparse.Namespace) -> JobState:
         from .offload import prepare
 
         job.notes += prepare(job, args.out)  # NVMe swap dir inside the run; libaio checked
+        job.notes += checkpointing_notes(job, spec)
         resolved, ds_filled = resolve_job(job, world_size)
         check_observers(job, spec, args)  # --profile needs enough steps; the FSDP wrap classes exist
         guard = JobGuard(args.out, rank, world_size, timeout=job.train.timeout)
@@ -327,6 +328,8 @@ def wrap(s: JobState) -> None:
 
         s.resume_state = before_backend(s.model, s.resume_meta, s.args.resume)
     s.engine = apply_backend(s.model, s.job, s.device)
+    s.summary["activation_checkpointing"] = s.engine.activation_checkpointing  # helpers.recompute
+    s.run.log(f"activation checkpointing: {s.engine.activation_checkpointing or 'off (every activation is kept)'}")
     if s.load_method == "fsdp_ram_efficient":
         from .loading import fsdp_fill
 
@@ -426,6 +429,7 @@ def base_summary(s: JobState) -> dict:
         "tokens_per_step": s.tokens_per_rank_step * s.world_size,
         "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
         "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
+        "activation_checkpointing": None,
     }
 
 
@@ -465,6 +469,17 @@ def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
             raise ConfigError(f"{job.source}: {e}") from None
         resolved["deepspeed"]["filled"] = filled  # which "auto" values the job filled
     return resolved, filled
+
+
+def checkpointing_notes(job, spec) -> list[str]:
+    """helpers.recompute's notes: an offload with nothing to free on a CPU, the model's own checkpointing."""
+    import torch
+
+    from .models import model_config
+    from .recompute import notes
+
+    own = spec.kind != "preset" and bool(getattr(model_config(spec), "gradient_checkpointing", False))
+    return notes(job, accelerator=torch.cuda.is_available(), model_checkpoints=own)
 
 
 def check_observers(job, spec, args) -> None:

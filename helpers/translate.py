@@ -202,9 +202,15 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
         if k in left:
             warn(f"fsdp_config.{k} = {left.pop(k)!r}: DeepSpeed has no wrap policy, so this was left out. "
                  "Nothing to do")
-    if left.pop("fsdp_activation_checkpointing", False) and o.activation_checkpointing:
-        warn("fsdp_activation_checkpointing = true: DeepSpeed's config has no key that turns it on for the "
-             "model. What to do: call model.gradient_checkpointing_enable() in your training script")
+    left.pop("fsdp_activation_checkpointing", None)
+    left.pop("fsdp_activation_checkpointing_offload", None)
+    ac = ({"cpu_checkpointing": True} if o.activation_checkpointing_offload else {}) \
+        if o.activation_checkpointing else None
+    if ac is not None:
+        t.notes.append("fsdp_activation_checkpointing = true: written as the JSON's activation_checkpointing "
+                       f"section{' (cpu_checkpointing: the offload)' if ac else ''}, which makes this guide's job "
+                       "turn on the model's own checkpointing (helpers.recompute; same losses). Under accelerate "
+                       "launch, your script calls model.gradient_checkpointing_enable(): DeepSpeed does not")
     if "fsdp_use_orig_params" in left and not left.pop("fsdp_use_orig_params"):
         warn("fsdp_use_orig_params = false: FSDP1's flattened parameters; DeepSpeed (like FSDP2) always trains "
              "the original parameters. Nothing to do")
@@ -225,6 +231,7 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
         "gradient_clipping": "auto",  # the job's --grad-clip (FSDP default: off); missing would mean 1.0
         "bf16": {"enabled": job.mixed_precision == "bf16"},
         "zero_optimization": {**zo, **({"stage3_gather_16bit_weights_on_model_save": True} if save16 else {})},
+        **({"activation_checkpointing": ac} if ac is not None else {}),
     }
     t.json = js
     t.yaml = {**_launch_keys(raw), "distributed_type": "DEEPSPEED",
@@ -358,6 +365,18 @@ def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
         warn(f"data_types {dt or {}} / communication_data_type {comm}: FSDP here reduces gradients in bf16 under "
              "bf16 mixed precision, and no fsdp_config key changes that. Nothing written; with other reduce "
              "dtypes the two backends round gradients differently")
+
+    # activation checkpointing: the section turns it on (helpers.recompute); cpu_checkpointing is the offload
+    ac = js.pop("activation_checkpointing", None)
+    if isinstance(ac, dict):
+        fc["fsdp_activation_checkpointing"] = True
+        if ac.get("cpu_checkpointing") in (True, "true"):
+            fc["fsdp_activation_checkpointing_offload"] = True
+        for k, v in ac.items():
+            if k != "cpu_checkpointing" and v not in (None, False, "false"):
+                warn(f"activation_checkpointing.{k} = {v!r}: a setting of deepspeed.checkpointing, which the "
+                     "model does not use (no effect in a DeepSpeed job here either); FSDP has no such setting, "
+                     "so it was left out. Nothing to do")
 
     # batch, accumulation, clipping: script settings on the FSDP side
     for k, flag in (("train_micro_batch_size_per_gpu", "--micro-batch"), ("gradient_accumulation_steps",

@@ -175,7 +175,7 @@ mpirun_config:
   mpirun_hostfile: hosts
 fsdp_config:
   fsdp_version: 2
-  fsdp_activation_checkpointing_offload: true
+  fsdp_use_orig_params: true
 parallelism_config:
   parallelism_config_cp_backend: torch
   parallelism_config_cp_comm_strategy: allgather
@@ -196,7 +196,7 @@ def test_every_accelerate_key_is_accepted_with_one_note(tmp_path):
     named = [n.split(" = ")[0] for n in notes]
     assert named == ["tpu_name", "fp8_config.fp8_backend", "fp8_config.fp8_format",
                      "megatron_lm_config.megatron_lm_tp_degree", "mpirun_config.mpirun_hostfile",
-                     "fsdp_config.fsdp_activation_checkpointing_offload",
+                     "fsdp_config.fsdp_use_orig_params",
                      "parallelism_config.parallelism_config_cp_backend",
                      "parallelism_config.parallelism_config_cp_comm_strategy",
                      "parallelism_config.parallelism_config_sp_backend",
@@ -212,10 +212,10 @@ def test_every_accelerate_key_is_accepted_with_one_note(tmp_path):
 
 def test_job_log_has_one_note_per_unapplied_key(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text((REPO / FSDP).read_text() + "  fsdp_activation_checkpointing: true\n")
+    cfg.write_text((REPO / FSDP).read_text() + "  fsdp_sync_module_states: true\n")
     out = tmp_path / "run"
     proc = run_job(str(cfg), out, 0, "--model", "tiny", "--steps", "1")
     assert proc.returncode == 0, proc.stderr
     log = (out / "log.txt").read_text().splitlines()
-    want = ["compute_environment", "num_machines", "num_processes", "fsdp_config.fsdp_activation_checkpointing"]
+    want = ["compute_environment", "num_machines", "num_processes", "fsdp_config.fsdp_sync_module_states"]
     assert [ln.split(" = ")[0] for ln in log if "no effect here" in ln] == [f"note: {k}" for k in want]

@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import REPO, job_env, run_job, summary
 
+from helpers import recompute
 from helpers.config import ConfigError, load_job_config
 from helpers.translate import check, translate
 
@@ -34,7 +35,7 @@ DS_FIELDS = {"zero_stage": ("stage",), "offload_optimizer_device": ("offload",),
 def settings(job) -> dict:
     """What a config makes the job do, as comparable values."""
     out = {"mixed_precision": job.mixed_precision, "grad_clip": job.train.grad_clip,
-           "grad_accum": job.train.grad_accum}
+           "grad_accum": job.train.grad_accum, "checkpointing": recompute.requested(job)}
     if job.backend == "fsdp":
         out.update({k: getattr(job.fsdp, k) for k in FSDP_FIELDS})
     else:
@@ -47,7 +48,8 @@ def named(field: str, warnings: list[str]) -> bool:
     """A warning is *about* a setting when its subject (the text before its first ': ') names it; a word
     further on (another warning's "nearest: ...") does not count."""
     words = {**FSDP_FIELDS, **DS_FIELDS, "mixed_precision": ("mixed_precision", "bf16"),
-             "grad_clip": ("clipping",), "grad_accum": ("accumulation",), "hpz": ("hpz", "HYBRID")}[field]
+             "grad_clip": ("clipping",), "grad_accum": ("accumulation",), "hpz": ("hpz", "HYBRID"),
+             "checkpointing": ("checkpointing",)}[field]
     return any(w.lower() in msg.split(": ", 1)[0].lower() for msg in warnings for w in words)
 
 
@@ -124,9 +126,11 @@ def test_fsdp_only_settings_are_warned(tmp_path):
            "  fsdp_backward_prefetch: NO_PREFETCH\n")
     t = translate(write(tmp_path, cfg), "deepspeed")
     text = "\n".join(t.warnings)
-    for part in ("can move only the optimizer", "zero3_init_flag, works only under ZeRO-3",
-                 "gradient_checkpointing_enable()", "prefetch"):
+    for part in ("can move only the optimizer", "zero3_init_flag, works only under ZeRO-3", "prefetch"):
         assert part in text, part
+    assert "checkpointing" not in text  # it has a counterpart now: the JSON's section (a note, not a warning)
+    assert t.json["activation_checkpointing"] == {}
+    assert any("gradient_checkpointing_enable()" in n for n in t.notes)
     assert t.json["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert "offload_param" not in t.json["zero_optimization"]
     check(t)

@@ -10,6 +10,9 @@ with ``train_step(batches) -> loss`` (this rank's), ``step_sums()`` and
 With ``bf16.enabled`` DeepSpeed keeps the module in bf16 and builds fp32
 master partitions for the optimizer (``_create_fp32_partitions``), whatever
 dtype the model was loaded in.
+
+An ``activation_checkpointing`` object in the JSON turns on the model's own
+(transformers) checkpointing before ``deepspeed.initialize`` (helpers.recompute).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from .. import recompute
 from ..config import JobConfig
 
 
@@ -107,6 +111,7 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     ds_config, _ = resolved_ds_config(job, dist.get_world_size(), hidden, device.type)
     model.to(device)
+    checkpointing = recompute.apply(model, job, device)  # the JSON's activation_checkpointing section
     if "optimizer" in ds_config:  # DeepSpeed builds optimizer (and scheduler) from the JSON
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=ds_config)
@@ -117,13 +122,16 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if job.train.compile:
         engine.compile()  # torch.compile of the wrapped module, ZeRO's hooks kept outside the graph
-    return DeepSpeedEngine(engine, optimizer)
+    out = DeepSpeedEngine(engine, optimizer)
+    out.activation_checkpointing = checkpointing
+    return out
 
 
 class DeepSpeedEngine:
     """One optimizer step over a list of micro-batches, DeepSpeed style."""
 
     backend = "deepspeed"
+    activation_checkpointing: str | None = None  # what recomputes activations (helpers.recompute), or None
 
     def __init__(self, engine, optimizer):
         self.engine, self.optimizer = engine, optimizer

@@ -14,6 +14,9 @@ the optimizer are fp32 while forward/backward run in bf16
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``). With
 ``mixed_precision: no`` nothing is upcast: a bf16 model trains in bf16 end to
 end (the memory-constrained mode).
+
+``fsdp_activation_checkpointing: true`` wraps each decoder block in torch's
+``checkpoint_wrapper`` before anything is sharded (helpers.recompute).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from .. import comm
+from .. import comm, recompute
 from ..config import JobConfig
 from ..models import decoder_layers
 from ..wrap import forward_order, plan
@@ -65,6 +68,7 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
         # pinned host memory needs an accelerator; on a CPU-only box offload moves nothing
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     kw = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    checkpointing = recompute.apply(model, job, device)  # per decoder block, before compile and fully_shard
     if job.train.compile:
         for block in decoder_layers(model):
             block.compile()  # in place, before sharding; FSDP2's hooks run eagerly around the graph
@@ -79,7 +83,9 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
     )
-    return FSDPEngine(model, optimizer, mesh, job.train.grad_clip)
+    engine = FSDPEngine(model, optimizer, mesh, job.train.grad_clip)
+    engine.activation_checkpointing = checkpointing
+    return engine
 
 
 def set_prefetch(model, inner: list, o) -> None:
@@ -106,6 +112,7 @@ class FSDPEngine:
     """One optimizer step over a list of micro-batches, FSDP2 style."""
 
     backend = "fsdp"
+    activation_checkpointing: str | None = None  # what recomputes activations (helpers.recompute), or None
 
     def __init__(self, model, optimizer, mesh, grad_clip: float):
         self.model, self.optimizer, self.mesh, self.grad_clip = model, optimizer, mesh, grad_clip

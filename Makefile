@@ -71,11 +71,11 @@ lab-refresh:
 test: setup lint test-unit test-notebooks
 
 test-unit: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # nbval executes every notebook; GUIDE_SIZE=quick runs the same cells with fewer steps
 test-notebooks: setup
-	GUIDE_SIZE=quick $(PY) -m pytest -q --nbval-lax notebooks/ -p no:cacheprovider
+	GUIDE_SIZE=quick $(PY) -m pytest -q --durations=8 --nbval-lax notebooks/ -p no:cacheprovider
 
 # JupyterLab in headless Chromium (Debian's chromium package): opens notebooks/00_launching.py
 # through jupytext, runs every cell, checks for errors and a figure; screenshot in pytest's tmp dir

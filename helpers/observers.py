@@ -114,7 +114,7 @@ class Observers(Observer):
 def default_observers(s: JobState) -> Observers:
     """The guide's measurements, in the order their hooks run (and their log lines appear)."""
     traces = [TensorTraces()] if s.args.trace_tensors else []
-    return Observers([Throughput(), Loading(), Memory(), Dtypes(), Updates(enabled=s.args.track_updates),
+    return Observers([Throughput(), Loading(), Memory(), TensorPeak(), Dtypes(), Updates(enabled=s.args.track_updates),
                       Profiler(), *traces, Checkpoints(), ProgressLog()])
 
 
@@ -252,6 +252,54 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
         "peak_memory_source": peak.source,
         "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
     }
+
+
+class TensorPeak(Observer):
+    """``peak_tensor_bytes`` per rank: the peak of the rank's own tensors over the first steps (helpers.tensor_peak)."""
+
+    def __init__(self):
+        self.cpu, self.peak, self.keys = None, None, {}
+
+    def on_load_begin(self, s):
+        if s.use_cuda:
+            return
+        if s.args.profile:
+            s.run.log("note: peak_tensor_bytes not tracked (null): --profile holds the profiler it is read from")
+            return
+        from .tensor_peak import CpuTensorPeak
+
+        self.cpu = CpuTensorPeak()
+        self.cpu.start()  # before the model exists: the running total is every tensor of the job
+
+    def on_train_begin(self, s):
+        import torch
+
+        if s.use_cuda:
+            torch.cuda.reset_peak_memory_stats(s.device)
+        elif self.cpu:
+            self.cpu.mark()
+
+    def on_step_end(self, s, step, row):
+        if step != s.probe_step:
+            return
+        import torch
+
+        if s.use_cuda:
+            self.peak = torch.cuda.max_memory_allocated(s.device)
+        elif self.cpu:
+            self.peak = self.cpu.stop()
+
+    def on_train_end(self, s):
+        from .tensor_peak import source
+
+        self.keys = {"peak_tensor_bytes": gather(self.peak), "peak_tensor_source": source(s.device, self.peak)}
+
+    def summary(self, s):
+        return self.keys
+
+    def close(self, s):
+        if self.cpu:
+            self.cpu.close()
 
 
 class Dtypes(Observer):

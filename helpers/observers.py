@@ -227,23 +227,11 @@ class Memory(Observer):
 
 def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
     """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
-    from .mapping import MODES, mode_key, theory_bytes
+    from .mapping import job_theory_bytes, mode_key
     from .offload import totals
 
     key = mode_key(job)
-    shard_group = secondary = None
-    grad_bytes = None
-    if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):
-        shard_group = job.fsdp.hybrid_shard_size
-    if job.backend == "deepspeed":
-        js = job.deepspeed.json
-        hpz = int(js.get("zero_optimization", {}).get("zero_hpz_partition_size", 1))
-        secondary = hpz if hpz > 1 else None
-        if js.get("data_types", {}).get("grad_accum_dtype") == "fp32":
-            grad_bytes = 4
-    theory = theory_bytes(MODES[key], num_params, dist.get_world_size(), job.mixed_precision,
-                          shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes,
-                          model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
+    theory = job_theory_bytes(job, num_params, dist.get_world_size())
     return {
         "mode_key": key,
         "memory_bytes": gather(totals(probe.locations)),  # probe.state + swap files + host fp32 grads

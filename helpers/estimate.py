@@ -22,14 +22,21 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     forward to backward (the whole model, plus one unit's gradient).
 ``comm_buckets``  DeepSpeed ZeRO-1/2/3's contiguous gradient bucket: ``reduce_bucket_size`` elements of
     the gradient dtype (two with ``overlap_comm`` on ZeRO-1/2), allocated whole, whatever the model size.
-``loss_transient``  the backward of the loss: the gradient of the fp32 log-probs, tokens x vocab x 4.
+``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param).
+``loss_transient``  the backward of the loss: the fp32 gradients of the log-probs and of the logits,
+    2 x tokens x vocab x 4.
 ``host`` / ``disk``  state offloaded (FSDP ``fsdp_offload_params``; DeepSpeed ``offload_optimizer`` /
     ``offload_param`` to cpu or nvme): moved out of the device categories.
 
-``peak_bytes_per_rank`` = state on the device + comm buckets + activations (or the checkpointed column)
-+ gathered unit + loss transient. Left out: the allocator's caching and fragmentation (a GPU's reserved
-memory sits above this), the CUDA context, temporaries of single ops (a matmul's output before it is
-saved), gloo's and nccl's own buffers.
+``peak_bytes_per_rank`` is the larger of two moments. The start of backward: state on the device +
+comm buckets + master_grads + gathered unit + activations (or the checkpointed column) + loss
+transient, less the gradients, which do not exist yet (FSDP and DeepSpeed free them after each step;
+ZeRO-3 keeps one gradient buffer from start-up). The optimizer step: all of the state, buckets,
+master_grads and the gathered unit, no activations.
+
+Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
+CUDA context, temporaries of single ops (a matmul's output before it is saved), gloo's and nccl's own
+buffers.
 
 Activations, per token, with c the compute dtype's bytes (2 under bf16, else the model dtype's), h
 the hidden size, q = heads x head_dim, k = kv_heads x head_dim, i the MLP width, V the vocabulary, a
@@ -53,7 +60,6 @@ from dataclasses import dataclass
 from . import mapping
 
 STATE = mapping.CATEGORIES
-DEVICE_EXTRA = ("activations", "gathered_unit", "comm_buckets", "loss_transient")
 GIB = 2**30
 
 
@@ -211,21 +217,28 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         gathered = 2 * c * unit
     else:
         gathered = 0
-    buckets = 0
-    if job.backend == "deepspeed" and int(zo.get("stage", 0)) > 0 and zo.get("contiguous_gradients", True):
+    buckets = master_grads = 0
+    stage = int(zo.get("stage", 0)) if job.backend == "deepspeed" else None
+    if stage and zo.get("contiguous_gradients", True):
         grad_bytes = 4 if job.deepspeed.json.get("data_types", {}).get("grad_accum_dtype") == "fp32" else c
-        copies = 2 if int(zo["stage"]) < 3 and zo.get("overlap_comm", False) else 1
+        copies = 2 if stage < 3 and zo.get("overlap_comm", False) else 1
         buckets = copies * int(float(zo.get("reduce_bucket_size", 5e8))) * grad_bytes
+    if stage == 0 and job.mixed_precision == "bf16":
+        master_grads = 4 * shapes.numel  # the fp32 master's gradients, kept between steps
+    tokens_v = micro_batch * seq_len * shapes.cfg.vocab_size
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
-             "comm_buckets": buckets, "loss_transient": 4 * micro_batch * seq_len * shapes.cfg.vocab_size}
+             "comm_buckets": buckets, "master_grads": master_grads, "loss_transient": 8 * tokens_v}
     moved = offloaded(key, job)
+    grads_between_steps = stage == 3  # ZeRO-3's gradient partitions are one buffer made at start-up
+    used = acts_ckpt if checkpointing(job) else acts
     ranks, peaks = [], []
     for state in state_per_rank(job, shapes, world_size):
         device, host, disk = split_state(state, moved)
         row = {**{k: int(v) for k, v in device.items()}, **extra,
                "host": int(sum(host.values())), "disk": int(sum(disk.values()))}
-        used = acts_ckpt if checkpointing(job) else acts
-        peaks.append(int(sum(device.values())) + buckets + used + gathered + extra["loss_transient"])
+        at_rest = int(sum(device.values())) + buckets + master_grads + gathered
+        grads = 0 if grads_between_steps else row["grads"]
+        peaks.append(max(at_rest - grads + used + extra["loss_transient"], at_rest))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
             "num_params": shapes.numel, "activation_checkpointing": checkpointing(job),
@@ -305,7 +318,7 @@ def run(args) -> dict:
 
 
 def table(e: dict) -> str:
-    cats = [*STATE, "comm_buckets", "gathered_unit", "activations", "activations_checkpointed",
+    cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "activations", "activations_checkpointed",
             "loss_transient", "host", "disk"]
     lines = [f"{e['mode_key']}, {e['num_params'] / 1e6:.2f}M params, {e['world_size']} ranks, micro-batch "
              f"{e['micro_batch']} x {e['seq_len']} tokens (MiB per rank)",
@@ -314,7 +327,8 @@ def table(e: dict) -> str:
         lines.append(f"{cat:26} " + " ".join(f"{row[cat] / 2**20:10.1f}" for row in e["categories_per_rank"]))
     used = "activations_checkpointed" if e["activation_checkpointing"] else "activations"
     lines.append(f"{'predicted peak':26} " + " ".join(f"{p / 2**20:10.1f}" for p in e["peak_bytes_per_rank"]))
-    lines.append(f"(peak = device state + comm_buckets + gathered_unit + {used} + loss_transient)")
+    lines.append(f"(peak: the larger of the start of backward, device state less grads + comm_buckets + "
+                 f"master_grads + gathered_unit + {used} + loss_transient, and the step, without activations)")
     if "budget_gib" in e:
         verdict = "fits" if e["fits"] else "does not fit"
         lines.append(f"budget {e['budget_gib']} GiB per rank: {verdict}; largest micro-batch that fits: "

@@ -31,7 +31,10 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
 ``peak_bytes_per_rank`` is the larger of two moments. The start of backward: state on the device +
 comm buckets + master_grads + gathered unit + activations (or the checkpointed column) + loss
 transient, less the gradients, which do not exist yet (FSDP and DeepSpeed free them after each step;
-ZeRO-3 keeps one gradient buffer from start-up). The optimizer step: all of the state, buckets,
+ZeRO-3 keeps one gradient buffer from start-up); on ZeRO-1/2 the bucket is allocated at the first
+gradient, once the loss's gradients and the head's activations are freed (the logits' gradient in the
+compute dtype and the head's weight gradient are alive), so there the moment is the larger of the end
+of forward without the bucket and that one. The optimizer step: all of the state, buckets,
 master_grads and the gathered unit, no activations.
 
 Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
@@ -151,11 +154,17 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, c: int, checkpointed: 
     """Bytes autograd keeps after one forward of ``micro_batch`` x ``seq_len`` (formula: module doc)."""
     h, heads, d, kv, inter, layers, vocab = _dims(cfg)
     block = 2 * (4 * h + c * h + 4) + c * (2 * h + 2 * heads * d + 2 * kv * d) + 4 * heads + 4 * c * inter
-    head = 4 * h + c * h + 4 + 4 * vocab
+    head = head_per_token(cfg, c)
     tokens = micro_batch * seq_len
     per_seq = 2 * c * d * seq_len + 16 * seq_len  # RoPE cos/sin (shared by the batch), token ids and labels
     blocks = (c * h * layers + block) * tokens if checkpointed else block * layers * tokens
     return blocks + head * tokens + per_seq
+
+
+def head_per_token(cfg, c: int) -> int:
+    """Activation bytes per token after the blocks: the final norm and the fp32 log-probs."""
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    return 4 * h + c * h + 4 + 4 * vocab
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -238,7 +247,13 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
                "host": int(sum(host.values())), "disk": int(sum(disk.values()))}
         at_rest = int(sum(device.values())) + buckets + master_grads + gathered
         grads = 0 if grads_between_steps else row["grads"]
-        peaks.append(max(at_rest - grads + used + extra["loss_transient"], at_rest))
+        if stage in (1, 2):  # the bucket is made at the first gradient, once the loss and the head are done
+            head = head_per_token(shapes.cfg, c) * micro_batch * seq_len
+            first_grad = c * tokens_v + c * shapes.cfg.vocab_size * shapes.cfg.hidden_size  # d logits, d lm_head
+            backward = max(at_rest - grads - buckets + used, at_rest - grads + used - head + first_grad)
+        else:
+            backward = at_rest - grads + used + extra["loss_transient"]
+        peaks.append(max(backward, at_rest))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
             "num_params": shapes.numel, "activation_checkpointing": checkpointing(job),

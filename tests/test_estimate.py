@@ -48,7 +48,7 @@ def test_json_has_the_peak_per_rank_and_the_categories():
                                   "master_grads", "loss_transient", "host", "disk"} <= set(row)
         at_rest = sum(row[k] for k in (*CATEGORIES, "comm_buckets", "master_grads", "gathered_unit"))
         backward = at_rest - row["grads"] + row["activations"] + row["loss_transient"]  # FSDP: no grads yet
-        assert peak == max(at_rest, backward) == backward
+        assert peak == max(at_rest, backward)
         assert row["activations_checkpointed"] < row["activations"]
     assert e["categories_per_rank"][2]["optimizer_states"] < e["categories_per_rank"][0]["optimizer_states"]
 

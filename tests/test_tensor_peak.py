@@ -44,3 +44,13 @@ def test_job_peak_holds_state_and_activations(tmp_path, ranks):
     for rank, peak in enumerate(s["peak_tensor_bytes"]):
         state = sum(s["memory_bytes"][rank].values())
         assert state + acts <= peak <= state + acts + transient, (rank, peak, state, acts)
+
+
+@pytest.mark.cpu_only
+def test_profile_leaves_the_key_null_and_says_why(tmp_path):
+    proc = run_job("launch_configs/fsdp/full_shard.yaml", tmp_path, 0, "--model", "tiny", "--steps", "4",
+                   "--micro-batch", "1", "--profile")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(tmp_path)
+    assert s["peak_tensor_bytes"] == [None] and s["peak_tensor_source"] is None
+    assert "note: peak_tensor_bytes not tracked (null): --profile" in (tmp_path / "log.txt").read_text()

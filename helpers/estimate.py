@@ -25,6 +25,8 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
 ``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param).
 ``loss_transient``  the backward of the loss: the fp32 gradients of the log-probs and of the logits,
     2 x tokens x vocab x 4.
+``optimizer_step``  the optimizer step's temporaries (``optimizer_temporary``); 0 when the optimizer is
+    offloaded (they are on the host then).
 ``host`` / ``disk``  state offloaded (FSDP ``fsdp_offload_params``; DeepSpeed ``offload_optimizer`` /
     ``offload_param`` to cpu or nvme): moved out of the device categories.
 
@@ -35,7 +37,7 @@ ZeRO-3 keeps one gradient buffer from start-up); on ZeRO-1/2 the bucket is alloc
 gradient, once the loss's gradients and the head's activations are freed (the logits' gradient in the
 compute dtype and the head's weight gradient are alive), so there the moment is the larger of the end
 of forward without the bucket and that one. The optimizer step: all of the state, buckets,
-master_grads and the gathered unit, no activations.
+master_grads, the gathered unit and optimizer_step, no activations.
 
 Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
 CUDA context, temporaries of single ops (a matmul's output before it is saved), gloo's and nccl's own
@@ -204,6 +206,23 @@ def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float
     return ranks
 
 
+def optimizer_temporary(job, shapes: Shapes, world_size: int) -> int:
+    """Bytes the optimizer step allocates for a moment: AdamW (``foreach=False``) makes one temporary the
+    size of the tensor it steps (``exp_avg_sq.sqrt()``). FSDP steps each parameter's shard, ZeRO-0 each
+    fp32 master param, ZeRO-1/2 one flat fp32 partition; ZeRO-3 also makes the fp32 copy of its gradient
+    partition at the step: two partitions (benchmarks/estimate_grid.py measures about 2.5 on ``small``)."""
+    key = mapping.mode_key(job)
+    fp32 = 4 if job.mixed_precision == "bf16" or job.train.model_dtype == "fp32" else 2
+    largest = max(math.prod(s) for s in shapes.params)
+    if job.backend == "fsdp":
+        group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+        return fp32 * max(-(-s[0] // group) * math.prod(s[1:]) if s else 1 for s in shapes.params)
+    stage = int(_zero(job).get("stage", 0))
+    if stage == 0:
+        return 4 * largest
+    return (2 if stage == 3 else 1) * 4 * -(-shapes.numel // world_size)
+
+
 def compute_bytes(job) -> int:
     return 2 if job.mixed_precision == "bf16" or job.train.model_dtype == "bf16" else 4
 
@@ -234,9 +253,11 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         buckets = copies * int(float(zo.get("reduce_bucket_size", 5e8))) * grad_bytes
     if stage == 0 and job.mixed_precision == "bf16":
         master_grads = 4 * shapes.numel  # the fp32 master's gradients, kept between steps
+    step_temp = 0 if "optimizer_states" in offloaded(key, job) else optimizer_temporary(job, shapes, world_size)
     tokens_v = micro_batch * seq_len * shapes.cfg.vocab_size
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
-             "comm_buckets": buckets, "master_grads": master_grads, "loss_transient": 8 * tokens_v}
+             "optimizer_step": step_temp, "comm_buckets": buckets, "master_grads": master_grads,
+             "loss_transient": 8 * tokens_v}
     moved = offloaded(key, job)
     grads_between_steps = stage == 3  # ZeRO-3's gradient partitions are one buffer made at start-up
     used = acts_ckpt if checkpointing(job) else acts
@@ -253,7 +274,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
             backward = max(at_rest - grads - buckets + used, at_rest - grads + used - head + first_grad)
         else:
             backward = at_rest - grads + used + extra["loss_transient"]
-        peaks.append(max(backward, at_rest))
+        peaks.append(max(backward, at_rest + step_temp))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
             "num_params": shapes.numel, "activation_checkpointing": checkpointing(job),
@@ -333,8 +354,8 @@ def run(args) -> dict:
 
 
 def table(e: dict) -> str:
-    cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "activations", "activations_checkpointed",
-            "loss_transient", "host", "disk"]
+    cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "optimizer_step", "activations",
+            "activations_checkpointed", "loss_transient", "host", "disk"]
     lines = [f"{e['mode_key']}, {e['num_params'] / 1e6:.2f}M params, {e['world_size']} ranks, micro-batch "
              f"{e['micro_batch']} x {e['seq_len']} tokens (MiB per rank)",
              "category                   " + " ".join(f"{'rank ' + str(r):>10}" for r in range(e["world_size"]))]
@@ -343,7 +364,7 @@ def table(e: dict) -> str:
     used = "activations_checkpointed" if e["activation_checkpointing"] else "activations"
     lines.append(f"{'predicted peak':26} " + " ".join(f"{p / 2**20:10.1f}" for p in e["peak_bytes_per_rank"]))
     lines.append(f"(peak: the larger of the start of backward, device state less grads + comm_buckets + "
-                 f"master_grads + gathered_unit + {used} + loss_transient, and the step, without activations)")
+                 f"master_grads + gathered_unit + {used} + loss_transient, and the step: state + optimizer_step)")
     if "budget_gib" in e:
         verdict = "fits" if e["fits"] else "does not fit"
         lines.append(f"budget {e['budget_gib']} GiB per rank: {verdict}; largest micro-batch that fits: "

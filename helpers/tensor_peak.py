@@ -10,8 +10,9 @@ CPU: torch's profiler with ``profile_memory`` sees every allocation and free of 
 each with the running total of the bytes allocated since the profiler started. It starts before the
 model is built, so that total is every tensor of the job that is alive. Allocations made on threads the
 profiler does not follow (gloo's worker threads: collectives' temporaries) are left out. The profiler
-also times each op (C++ only, about a microsecond an op); it stops at the end of the probe step, so a
-job pays that for its set-up and two steps. ``--profile`` runs torch's profiler itself, and one thread
+also records each op (in C++, no Python per op); it stops at the end of the probe step, so a job pays
+that for its set-up and steps 0 and 1 only, the warm-up steps the summary's step-time medians leave
+out anyway; reading the events is one pass in Python at that point. ``--profile`` runs torch's profiler itself, and one thread
 holds one profiler: there the key is null and ``log.txt`` says why.
 
 GPU: ``torch.cuda.max_memory_allocated``, reset when the first step begins, read after the probe step.

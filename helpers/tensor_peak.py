@@ -12,8 +12,8 @@ model is built, so that total is every tensor of the job that is alive. Allocati
 profiler does not follow (gloo's worker threads: collectives' temporaries) are left out. The profiler
 also records each op (in C++, no Python per op); it stops at the end of the probe step, so a job pays
 that for its set-up and steps 0 and 1 only, the warm-up steps the summary's step-time medians leave
-out anyway; reading the events is one pass in Python at that point. ``--profile`` runs torch's profiler itself, and one thread
-holds one profiler: there the key is null and ``log.txt`` says why.
+out anyway; reading the events is one pass in Python at that point. ``--profile`` runs torch's
+profiler itself, and one thread holds one profiler: there the key is null and ``log.txt`` says why.
 
 GPU: ``torch.cuda.max_memory_allocated``, reset when the first step begins, read after the probe step.
 """

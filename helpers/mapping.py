@@ -102,6 +102,22 @@ def theory_bytes(mode: Mode, num_params: int, world_size: int, mixed_precision: 
     return out
 
 
+def job_theory_bytes(job, num_params: int, world_size: int) -> dict[str, float]:
+    """``theory_bytes`` for a JobConfig: its mode, hybrid / hpZ groups, gradient and model dtypes."""
+    shard_group = secondary = grad_bytes = None
+    if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):
+        shard_group = job.fsdp.hybrid_shard_size
+    if job.backend == "deepspeed":
+        js = job.deepspeed.json
+        hpz = int(js.get("zero_optimization", {}).get("zero_hpz_partition_size", 1))
+        secondary = hpz if hpz > 1 else None
+        if js.get("data_types", {}).get("grad_accum_dtype") == "fp32":
+            grad_bytes = 4
+    return theory_bytes(MODES[mode_key(job)], num_params, world_size, job.mixed_precision,
+                        shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes,
+                        model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
+
+
 def mode_key(job) -> str:
     """The MODES key of a JobConfig."""
     if job.backend == "fsdp":

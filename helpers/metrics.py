@@ -95,6 +95,9 @@ SUMMARY_KEYS = {
     "setup_peak_memory_bytes": "per rank (list): peak memory of the set-up (build, load, shard); on CPU the "
                                "RssAnon when training starts",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",
+    "peak_tensor_bytes": "per rank (list): peak bytes of the rank's own tensors from the first step through "
+                         "step 1, set-up excluded, exact on CPU (null with --profile; helpers.tensor_peak)",
+    "peak_tensor_source": "profiler memory events (CPU allocator) on CPU; cuda.max_memory_allocated on GPU",
     "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence (with "
                                    "activation checkpointing: what the checkpointed blocks hold, their inputs)",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "

@@ -114,7 +114,7 @@ class Observers(Observer):
 def default_observers(s: JobState) -> Observers:
     """The guide's measurements, in the order their hooks run (and their log lines appear)."""
     traces = [TensorTraces()] if s.args.trace_tensors else []
-    return Observers([Throughput(), Loading(), Memory(), Dtypes(), Updates(enabled=s.args.track_updates),
+    return Observers([Throughput(), Loading(), Memory(), TensorPeak(), Dtypes(), Updates(enabled=s.args.track_updates),
                       Profiler(), *traces, Checkpoints(), ProgressLog()])
 
 
@@ -227,23 +227,11 @@ class Memory(Observer):
 
 def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
     """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
-    from .mapping import MODES, mode_key, theory_bytes
+    from .mapping import job_theory_bytes, mode_key
     from .offload import totals
 
     key = mode_key(job)
-    shard_group = secondary = None
-    grad_bytes = None
-    if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):
-        shard_group = job.fsdp.hybrid_shard_size
-    if job.backend == "deepspeed":
-        js = job.deepspeed.json
-        hpz = int(js.get("zero_optimization", {}).get("zero_hpz_partition_size", 1))
-        secondary = hpz if hpz > 1 else None
-        if js.get("data_types", {}).get("grad_accum_dtype") == "fp32":
-            grad_bytes = 4
-    theory = theory_bytes(MODES[key], num_params, dist.get_world_size(), job.mixed_precision,
-                          shard_group=shard_group, secondary_group=secondary, grad_dtype_bytes=grad_bytes,
-                          model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
+    theory = job_theory_bytes(job, num_params, dist.get_world_size())
     return {
         "mode_key": key,
         "memory_bytes": gather(totals(probe.locations)),  # probe.state + swap files + host fp32 grads
@@ -252,6 +240,54 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
         "peak_memory_source": peak.source,
         "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
     }
+
+
+class TensorPeak(Observer):
+    """``peak_tensor_bytes`` per rank: the peak of the rank's own tensors over the first steps (helpers.tensor_peak)."""
+
+    def __init__(self):
+        self.cpu, self.peak, self.keys = None, None, {}
+
+    def on_load_begin(self, s):
+        if s.use_cuda:
+            return
+        if s.args.profile:
+            s.run.log("note: peak_tensor_bytes not tracked (null): --profile holds the profiler it is read from")
+            return
+        from .tensor_peak import CpuTensorPeak
+
+        self.cpu = CpuTensorPeak()
+        self.cpu.start()  # before the model exists: the running total is every tensor of the job
+
+    def on_train_begin(self, s):
+        import torch
+
+        if s.use_cuda:
+            torch.cuda.reset_peak_memory_stats(s.device)
+        elif self.cpu:
+            self.cpu.mark()
+
+    def on_step_end(self, s, step, row):
+        if step != s.probe_step:
+            return
+        import torch
+
+        if s.use_cuda:
+            self.peak = torch.cuda.max_memory_allocated(s.device)
+        elif self.cpu:
+            self.peak = self.cpu.stop()
+
+    def on_train_end(self, s):
+        from .tensor_peak import source
+
+        self.keys = {"peak_tensor_bytes": gather(self.peak), "peak_tensor_source": source(s.device, self.peak)}
+
+    def summary(self, s):
+        return self.keys
+
+    def close(self, s):
+        if self.cpu:
+            self.cpu.close()
 
 
 class Dtypes(Observer):

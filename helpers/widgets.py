@@ -247,7 +247,10 @@ DTYPES = {  # label -> (mixed_precision, bytes per element of the model dtype)
 
 
 def estimate(num_params: int, world_size: int, pair: str, offload: bool, dtype: str) -> dict[str, dict]:
-    """Predicted per-rank bytes per category, on the device and on the host, for both backends."""
+    """Predicted per-rank bytes per category, on the device and on the host, for both backends: the state
+    part of ``helpers.estimate`` (the same ZeRO model and offload rules) from a parameter count alone."""
+    from .estimate import offloaded, split_state
+
     f_key, d_key = PAIRS[pair]
     mp, model_bytes = DTYPES[dtype]
     out = {}
@@ -258,13 +261,8 @@ def estimate(num_params: int, world_size: int, pair: str, offload: bool, dtype: 
         theory = mapping.theory_bytes(mode, num_params, world_size, ds_mp, shard_group=group,
                                       secondary_group=group if mode.backend == "deepspeed" else None,
                                       model_dtype_bytes=model_bytes)
-        host = {c: 0.0 for c in theory}
-        if offload:  # FSDP and ZeRO-3 move everything; ZeRO-1/2 only the optimizer side
-            moved = mapping.CATEGORIES if (mode.backend == "fsdp" or key.startswith("zero3")) else (
-                "optimizer_states", "master_params", "grads") if mode.key != "zero0" else ()
-            for c in moved:
-                host[c], theory[c] = theory[c], 0.0
-        out[key] = {"device": theory, "host": host}
+        device, host, _ = split_state(theory, offloaded(key, offload=offload))  # as python -m helpers.estimate
+        out[key] = {"device": device, "host": host}
     return out
 
 

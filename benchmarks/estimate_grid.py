@@ -1,0 +1,118 @@
+"""Predicted vs measured peak tensor memory per rank: ``helpers.estimate`` against real jobs.
+
+    python benchmarks/estimate_grid.py --quick --out runs/estimate_grid.json   # 14 tiny jobs on 2 ranks
+    python benchmarks/estimate_grid.py --out runs/estimate_grid.json           # every mode x tiny, small,
+                                                                               # medium x 1/2/4 ranks x 2 micro-batches
+
+Every row is a real ``helpers.train`` job (3 steps: the peak is read through step 1) next to
+``python -m helpers.estimate`` for the same config, model, ranks, micro-batch and sequence length.
+The error of a row is its worst rank's ``(predicted - measured) / measured``. DeepSpeed's ZeRO-1/2/3
+rows hold a whole ``reduce_bucket_size`` gradient bucket (about 1 GB in bf16 by default) that dwarfs a
+small model, so the table also gives the error of everything else (``err w/o buckets``): that column is
+the model's real test on those rows. Writes the rows as JSON (``--out``) and prints the table, with the
+worst and median error. ``--reuse`` keeps the run directories of completed jobs. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from helpers import estimate as est  # noqa: E402
+from helpers.mapping import MODES  # noqa: E402
+
+QUICK = dict(modes=[k for k, m in MODES.items() if m.min_world_size <= 2], models=["tiny"], ranks=[2],
+             micro_batches=[2, 8])
+FULL = dict(modes=list(MODES), models=["tiny", "small", "medium"], ranks=[1, 2, 4], micro_batches=[2, 8])
+
+
+def run_job(config: str, out: Path, ranks: int, model: str, micro_batch: int, seq_len: int, reuse: bool) -> dict:
+    summary = out / "summary.json"
+    if reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "completed":
+        return json.loads(summary.read_text())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           "-m", "helpers.train", "--config", config, "--out", str(out), "--model", model, "--steps", "3",
+           "--micro-batch", str(micro_batch), "--seq-len", str(seq_len)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(summary.read_text())
+
+
+def compare(mode: str, model: str, ranks: int, micro_batch: int, seq_len: int, runs: Path, reuse: bool) -> dict:
+    config = MODES[mode].config
+    s = run_job(config, runs / f"{mode}_{model}_{ranks}r_b{micro_batch}", ranks, model, micro_batch, seq_len, reuse)
+    e = est.run(Namespace(config=str(REPO / config), model=model, world_size=ranks, micro_batch=micro_batch,
+                          seq_len=seq_len, budget_gib=None))
+    measured, predicted = s["peak_tensor_bytes"], e["peak_bytes_per_rank"]
+    buckets = [row["comm_buckets"] for row in e["categories_per_rank"]]
+    errors = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    rest = [(p - m) / (m - b) for p, m, b in zip(predicted, measured, buckets, strict=True)]
+    return {"mode": mode, "model": model, "world_size": ranks, "micro_batch": micro_batch, "seq_len": seq_len,
+            "measured": measured, "predicted": predicted, "comm_buckets": buckets,
+            "error": max(errors, key=abs), "error_without_buckets": max(rest, key=abs),
+            "measured_state": [sum(m.values()) for m in s["memory_bytes"]],
+            "measured_activations": s["activation_bytes_per_sample"] * micro_batch,
+            "predicted_activations": e["categories_per_rank"][0]["activations"]}
+
+
+def table(rows: list[dict]) -> str:
+    mib = 2**20
+    lines = [f"{'mode':14} {'model':7} {'ranks':>5} {'batch':>5} {'measured MiB (rank 0)':>22} "
+             f"{'predicted':>10} {'error':>7} {'err w/o buckets':>16}"]
+    for r in rows:
+        lines.append(f"{r['mode']:14} {r['model']:7} {r['world_size']:5d} {r['micro_batch']:5d} "
+                     f"{r['measured'][0] / mib:22.2f} {r['predicted'][0] / mib:10.2f} {100 * r['error']:6.1f}% "
+                     f"{100 * r['error_without_buckets']:15.1f}%")
+    for key, name in (("error", "error"), ("error_without_buckets", "error without buckets")):
+        errs = [abs(r[key]) for r in rows]
+        worst = max(rows, key=lambda r, k=key: abs(r[k]))
+        lines.append(f"{name}: worst {100 * max(errs):.1f}% ({worst['mode']} {worst['model']} "
+                     f"{worst['world_size']} ranks, micro-batch {worst['micro_batch']}), "
+                     f"median {100 * statistics.median(errs):.1f}%, rows {len(rows)}, within 10%: "
+                     f"{sum(e <= 0.10 for e in errs)}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the small subset (default when no grid flag is given "
+                    "is the full grid: many jobs, long on a shared 2-core box)")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES))
+    ap.add_argument("--models", nargs="+")
+    ap.add_argument("--ranks", nargs="+", type=int)
+    ap.add_argument("--micro-batches", nargs="+", type=int)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--runs", help="directory for the run directories (default: next to --out)")
+    ap.add_argument("--reuse", action="store_true", help="keep completed run directories instead of rerunning")
+    a = ap.parse_args()
+    grid = dict(QUICK if a.quick else FULL)
+    for k in grid:
+        grid[k] = getattr(a, k) or grid[k]
+    out = Path(a.out).resolve()
+    runs = Path(a.runs).resolve() if a.runs else out.parent / (out.stem + "_runs")
+    rows = []
+    for model in grid["models"]:
+        for ranks in grid["ranks"]:
+            for mode in grid["modes"]:
+                if MODES[mode].min_world_size > ranks:
+                    continue
+                for b in grid["micro_batches"]:
+                    rows.append(compare(mode, model, ranks, b, a.seq_len, runs, a.reuse))
+                    print(table(rows[-1:]).splitlines()[1], flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

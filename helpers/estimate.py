@@ -1,0 +1,387 @@
+"""Will it fit? Per-rank bytes of a training job, by category, before running it.
+
+    python -m helpers.estimate --config launch_configs/fsdp/full_shard.yaml --model medium \\
+        --world-size 8 --micro-batch 4 --seq-len 2048 [--budget-gib 80] [--json]
+
+``--model`` is a preset, a transformers ``config.json`` or a directory holding one: the model is
+built on the meta device (no weights, no downloads). Everything is per rank, in bytes:
+
+``params grads optimizer_states master_params``  the state at rest: the ZeRO model of
+    ``helpers.mapping.theory_bytes`` (the one the jobs print next to their measurement), with FSDP2's
+    per-parameter shards made exact from the model's shapes (dim 0 split in ``ceil(rows / shard group)``
+    rows: the stored shard is padded, Adam's moments are not, so the last ranks may hold less), Adam's
+    step counters (4 bytes per tensor), and ZeRO-3's "persistent" params (fewer elements than
+    ``stage3_param_persistence_threshold``: kept whole on every rank). DeepSpeed's flat-buffer padding
+    is left out (a few elements per rank).
+``activations``  what autograd keeps for backward in one micro-batch (``activation_bytes``, below).
+``activations_checkpointed``  the same with activation checkpointing: only each block's input, plus one
+    block's full activations while it is recomputed. The peak uses this column only when the launch
+    config turns checkpointing on.
+``gathered_unit``  FSDP / ZeRO-3: the largest unit gathered whole in the compute dtype, with its
+    unsharded gradient before the reduce-scatter (2 x); SHARD_GRAD_OP keeps every unit gathered from
+    forward to backward (the whole model, plus one unit's gradient).
+``comm_buckets``  DeepSpeed ZeRO-1/2/3's contiguous gradient bucket: ``reduce_bucket_size`` elements of
+    the gradient dtype (two with ``overlap_comm`` on ZeRO-1/2), allocated whole, whatever the model size.
+``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param).
+``loss_transient``  the backward of the loss: the fp32 gradients of the log-probs and of the logits,
+    2 x tokens x vocab x 4.
+``optimizer_step``  the optimizer step's temporaries (``optimizer_temporary``); 0 when the optimizer is
+    offloaded (they are on the host then).
+``host`` / ``disk``  state offloaded (FSDP ``fsdp_offload_params``; DeepSpeed ``offload_optimizer`` /
+    ``offload_param`` to cpu or nvme): moved out of the device categories.
+
+``peak_bytes_per_rank`` is the larger of two moments. The start of backward: state on the device +
+comm buckets + master_grads + gathered unit + activations (or the checkpointed column) + loss
+transient, less the gradients, which do not exist yet (FSDP and DeepSpeed free them after each step;
+ZeRO-3 keeps one gradient buffer from start-up); on ZeRO-1/2 the bucket is allocated at the first
+gradient, once the loss's gradients and the head's activations are freed (the logits' gradient in the
+compute dtype and the head's weight gradient are alive), so there the moment is the larger of the end
+of forward without the bucket and that one. The optimizer step: all of the state, buckets,
+master_grads, the gathered unit and optimizer_step, no activations.
+
+Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
+CUDA context, temporaries of single ops (a matmul's output before it is saved), gloo's and nccl's own
+buffers.
+
+Activations, per token, with c the compute dtype's bytes (2 under bf16, else the model dtype's), h
+the hidden size, q = heads x head_dim, k = kv_heads x head_dim, i the MLP width, V the vocabulary, a
+Llama-style block (RMSNorm computed in fp32, gated MLP; other families are counted the same way, an
+approximation): per block ``2 x (4h + c h + 4)`` (two norms: the fp32 input, the normed input, the
+rsqrt) ``+ c (2h + 2q + 2k)`` (the q/k/v and o_proj inputs, q and k before and after RoPE's rotation)
+``+ 4 x heads`` (attention's log-sum-exp) ``+ 4 c i`` (gate, activation, up, their product); after the
+blocks ``4h + c h + 4`` (final norm) ``+ 4 V`` (the fp32 log-probs the loss keeps); per sequence the
+RoPE cos/sin (``2 c head_dim`` a token) and the token ids. Checkpointed: ``c h`` per token per block
+(its input), plus one block as above, plus the part after the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+from . import mapping
+
+STATE = mapping.CATEGORIES
+GIB = 2**30
+
+
+class EstimateError(ValueError):
+    """Bad input; the message names the key, the value and what is allowed."""
+
+
+# --------------------------------------------------------------------------- state at rest (shared with the widget)
+
+
+def offloaded(key: str, job=None, offload: bool | None = None) -> dict[str, str]:
+    """Which state categories leave the device, and to where ("host" | "disk").
+
+    From a job's config, or (the notebook widget) from one ``offload`` switch: FSDP and ZeRO-3 move
+    everything to the host, ZeRO-1/2 the optimizer side, ZeRO-0 nothing.
+    """
+    if job is None:
+        if not offload:
+            return {}
+        if mapping.MODES[key].backend == "fsdp" or key.startswith("zero3"):
+            return dict.fromkeys(STATE, "host")
+        return {} if key == "zero0" else dict.fromkeys(("optimizer_states", "master_params", "grads"), "host")
+    if job.backend == "fsdp":
+        return dict.fromkeys(STATE, "host") if job.fsdp.offload_params else {}
+    zo = job.deepspeed.json.get("zero_optimization", {})
+    where = {"cpu": "host", "nvme": "disk"}
+    out = {}
+    opt = (zo.get("offload_optimizer") or {}).get("device", job.deepspeed.offload_optimizer_device)
+    if opt in where:  # DeepSpeed also keeps the fp32 gradient partition next to the optimizer, on the host
+        out.update({"optimizer_states": where[opt], "master_params": where[opt], "grads": "host"})
+    par = (zo.get("offload_param") or {}).get("device", job.deepspeed.offload_param_device)
+    if par in where:
+        out["params"] = where[par]
+    return out
+
+
+def split_state(state: dict[str, float], moved: dict[str, str]) -> tuple[dict, dict, dict]:
+    """(device, host, disk) bytes per category, given where the moved categories go."""
+    device, host, disk = dict(state), dict.fromkeys(state, 0.0), dict.fromkeys(state, 0.0)
+    for cat, where in moved.items():
+        (host if where == "host" else disk)[cat], device[cat] = device[cat], 0.0
+    return device, host, disk
+
+
+# --------------------------------------------------------------------------- the model, from its config
+
+
+@dataclass
+class Shapes:
+    params: list[tuple[int, ...]]  # every parameter's shape
+    units: list[int]  # elements per FSDP unit (each block, then the rest)
+    cfg: object  # the transformers config
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.params)
+
+
+def model_shapes(model: str, wrap: str = "TRANSFORMER_BASED_WRAP") -> Shapes:
+    """Parameter shapes and FSDP units of ``--model``, built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .models import ModelSpecError, decoder_layers, model_config, resolve_model
+
+    try:
+        cfg = model_config(resolve_model(model))
+    except ModelSpecError as e:
+        raise EstimateError(str(e)) from None
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    shapes = [tuple(p.shape) for p in m.parameters()]
+    blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_layers(m)]
+    total = sum(math.prod(s) for s in shapes)
+    units = [total] if wrap == "NO_WRAP" else [*blocks, total - sum(blocks)]
+    return Shapes(shapes, units, cfg)
+
+
+def _dims(cfg) -> tuple[int, int, int, int, int, int, int]:
+    h = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * h
+    return h, heads, d, kv, inter, cfg.num_hidden_layers, cfg.vocab_size
+
+
+def activation_bytes(cfg, micro_batch: int, seq_len: int, c: int, checkpointed: bool = False) -> int:
+    """Bytes autograd keeps after one forward of ``micro_batch`` x ``seq_len`` (formula: module doc)."""
+    h, heads, d, kv, inter, layers, vocab = _dims(cfg)
+    block = 2 * (4 * h + c * h + 4) + c * (2 * h + 2 * heads * d + 2 * kv * d) + 4 * heads + 4 * c * inter
+    head = head_per_token(cfg, c)
+    tokens = micro_batch * seq_len
+    per_seq = 2 * c * d * seq_len + 16 * seq_len  # RoPE cos/sin (shared by the batch), token ids and labels
+    blocks = (c * h * layers + block) * tokens if checkpointed else block * layers * tokens
+    return blocks + head * tokens + per_seq
+
+
+def head_per_token(cfg, c: int) -> int:
+    """Activation bytes per token after the blocks: the final norm and the fp32 log-probs."""
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    return 4 * h + c * h + 4 + 4 * vocab
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def _zero(job) -> dict:
+    return job.deepspeed.json.get("zero_optimization", {}) if job.backend == "deepspeed" else {}
+
+
+def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float]]:
+    """params, grads, optimizer_states, master_params of each rank (see the module doc)."""
+    theory = mapping.job_theory_bytes(job, shapes.numel, world_size)
+    n_tensors = len(shapes.params)
+    key = mapping.mode_key(job)
+    if job.backend == "deepspeed":
+        out = dict(theory)
+        out["optimizer_states"] += 4  # one step counter per flat group
+        if key.startswith("zero3"):
+            threshold = int(_zero(job).get("stage3_param_persistence_threshold", 100_000))
+            whole = sum(math.prod(s) for s in shapes.params if math.prod(s) < threshold)
+            per = 2 if job.mixed_precision == "bf16" else 4
+            out["params"] += per * whole * (1 - 1 / world_size)
+        return [out] * world_size
+    group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+    per = mapping.bytes_per_param("fsdp", job.mixed_precision, 4 if job.train.model_dtype == "fp32" else 2)
+    ranks = []
+    for r in range(world_size):
+        g = r % group
+        stored = local = 0
+        for s in shapes.params:
+            rows, rest = (s[0], math.prod(s[1:])) if s else (1, 1)
+            chunk = -(-rows // group)
+            stored += chunk * rest
+            local += max(0, min(chunk, rows - g * chunk)) * rest
+        ranks.append({"params": per["params"] * stored, "grads": per["grads"] * stored,
+                      "optimizer_states": per["optimizer_states"] * local + 4 * n_tensors, "master_params": 0})
+    return ranks
+
+
+def optimizer_temporary(job, shapes: Shapes, world_size: int) -> int:
+    """Bytes the optimizer step allocates for a moment: AdamW (``foreach=False``) makes one temporary the
+    size of the tensor it steps (``exp_avg_sq.sqrt()``). FSDP steps each parameter's shard, ZeRO-0 each
+    fp32 master param, ZeRO-1/2 one flat fp32 partition; ZeRO-3 also makes the fp32 copy of its gradient
+    partition at the step: two partitions (benchmarks/estimate_grid.py measures about 2.5 on ``small``)."""
+    key = mapping.mode_key(job)
+    fp32 = 4 if job.mixed_precision == "bf16" or job.train.model_dtype == "fp32" else 2
+    largest = max(math.prod(s) for s in shapes.params)
+    if job.backend == "fsdp":
+        group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+        return fp32 * max(-(-s[0] // group) * math.prod(s[1:]) if s else 1 for s in shapes.params)
+    stage = int(_zero(job).get("stage", 0))
+    if stage == 0:
+        return 4 * largest
+    return (2 if stage == 3 else 1) * 4 * -(-shapes.numel // world_size)
+
+
+def compute_bytes(job) -> int:
+    return 2 if job.mixed_precision == "bf16" or job.train.model_dtype == "bf16" else 4
+
+
+def checkpointing(job) -> bool:
+    opts = job.fsdp if job.backend == "fsdp" else job.deepspeed
+    return bool(getattr(opts, "activation_checkpointing", False))
+
+
+def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: int) -> dict:
+    """The per-rank estimate as one JSON-ready dict (``peak_bytes_per_rank`` and the categories)."""
+    key, c = mapping.mode_key(job), compute_bytes(job)
+    zo = _zero(job)
+    acts = activation_bytes(shapes.cfg, micro_batch, seq_len, c)
+    acts_ckpt = activation_bytes(shapes.cfg, micro_batch, seq_len, c, checkpointed=True)
+    unit = max(shapes.units)
+    if key == "shard_grad_op":
+        gathered = c * (shapes.numel + unit)
+    elif key in ("full_shard", "hybrid_shard", "no_shard") or key.startswith("zero3"):
+        gathered = 2 * c * unit
+    else:
+        gathered = 0
+    buckets = master_grads = 0
+    stage = int(zo.get("stage", 0)) if job.backend == "deepspeed" else None
+    if stage and zo.get("contiguous_gradients", True):
+        grad_bytes = 4 if job.deepspeed.json.get("data_types", {}).get("grad_accum_dtype") == "fp32" else c
+        copies = 2 if stage < 3 and zo.get("overlap_comm", False) else 1
+        buckets = copies * int(float(zo.get("reduce_bucket_size", 5e8))) * grad_bytes
+    if stage == 0 and job.mixed_precision == "bf16":
+        master_grads = 4 * shapes.numel  # the fp32 master's gradients, kept between steps
+    step_temp = 0 if "optimizer_states" in offloaded(key, job) else optimizer_temporary(job, shapes, world_size)
+    tokens_v = micro_batch * seq_len * shapes.cfg.vocab_size
+    extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
+             "optimizer_step": step_temp, "comm_buckets": buckets, "master_grads": master_grads,
+             "loss_transient": 8 * tokens_v}
+    moved = offloaded(key, job)
+    grads_between_steps = stage == 3  # ZeRO-3's gradient partitions are one buffer made at start-up
+    used = acts_ckpt if checkpointing(job) else acts
+    ranks, peaks = [], []
+    for state in state_per_rank(job, shapes, world_size):
+        device, host, disk = split_state(state, moved)
+        row = {**{k: int(v) for k, v in device.items()}, **extra,
+               "host": int(sum(host.values())), "disk": int(sum(disk.values()))}
+        at_rest = int(sum(device.values())) + buckets + master_grads + gathered
+        grads = 0 if grads_between_steps else row["grads"]
+        if stage in (1, 2):  # the bucket is made at the first gradient, once the loss and the head are done
+            head = head_per_token(shapes.cfg, c) * micro_batch * seq_len
+            first_grad = c * tokens_v + c * shapes.cfg.vocab_size * shapes.cfg.hidden_size  # d logits, d lm_head
+            backward = max(at_rest - grads - buckets + used, at_rest - grads + used - head + first_grad)
+        else:
+            backward = at_rest - grads + used + extra["loss_transient"]
+        peaks.append(max(backward, at_rest + step_temp))
+        ranks.append(row)
+    return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
+            "num_params": shapes.numel, "activation_checkpointing": checkpointing(job),
+            "categories_per_rank": ranks, "peak_bytes_per_rank": peaks}
+
+
+def largest_micro_batch(job, shapes: Shapes, world_size: int, seq_len: int, budget: float) -> int:
+    """The largest micro-batch whose predicted peak fits ``budget`` bytes on every rank (0: not even 1)."""
+    def fits(b):
+        return max(estimate(job, shapes, world_size, b, seq_len)["peak_bytes_per_rank"]) <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 2**24:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+# --------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"error: {message} (see python -m helpers.estimate --help)\n")
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+        return v
+    return parse
+
+
+def parse_args(argv=None):
+    ap = _Parser(prog="python -m helpers.estimate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="launch config (launch_configs/...)")
+    ap.add_argument("--model", help="preset (tiny, small, medium), config.json or a directory; default: the config's")
+    ap.add_argument("--world-size", type=_positive(int), required=True, help="ranks")
+    ap.add_argument("--micro-batch", type=_positive(int), help="sequences per rank per forward")
+    ap.add_argument("--seq-len", type=_positive(int), help="tokens per sequence")
+    ap.add_argument("--budget-gib", type=_positive(float), help="device memory per rank: verdict and the "
+                    "largest micro-batch that fits")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return ap.parse_args(argv)
+
+
+def run(args) -> dict:
+    """The estimate for parsed arguments; EstimateError / ConfigError on bad input."""
+    from .config import ConfigError, load_job_config
+    from .train import resolve_job
+
+    overrides = {"model": args.model, "micro_batch": args.micro_batch, "seq_len": args.seq_len}
+    job = load_job_config(args.config, overrides, world_size=args.world_size)
+    if job.train.seq_len < 2:
+        raise ConfigError(f"--seq-len = {job.train.seq_len}: must be >= 2")
+    shapes = model_shapes(job.train.model, job.fsdp.auto_wrap_policy if job.fsdp else "TRANSFORMER_BASED_WRAP")
+    if job.backend == "deepspeed":
+        resolved, _ = resolve_job(job, args.world_size)
+        job.deepspeed.json = resolved["deepspeed"]["json"]
+    t = job.train
+    out = {"config": args.config, "model": t.model, **estimate(job, shapes, args.world_size, t.micro_batch,
+                                                               t.seq_len)}
+    if args.budget_gib:
+        budget = args.budget_gib * GIB
+        out.update(budget_gib=args.budget_gib, fits=max(out["peak_bytes_per_rank"]) <= budget,
+                   largest_micro_batch=largest_micro_batch(job, shapes, args.world_size, t.seq_len, budget))
+    return out
+
+
+def table(e: dict) -> str:
+    cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "optimizer_step", "activations",
+            "activations_checkpointed", "loss_transient", "host", "disk"]
+    lines = [f"{e['mode_key']}, {e['num_params'] / 1e6:.2f}M params, {e['world_size']} ranks, micro-batch "
+             f"{e['micro_batch']} x {e['seq_len']} tokens (MiB per rank)",
+             "category                   " + " ".join(f"{'rank ' + str(r):>10}" for r in range(e["world_size"]))]
+    for cat in cats:
+        lines.append(f"{cat:26} " + " ".join(f"{row[cat] / 2**20:10.1f}" for row in e["categories_per_rank"]))
+    used = "activations_checkpointed" if e["activation_checkpointing"] else "activations"
+    lines.append(f"{'predicted peak':26} " + " ".join(f"{p / 2**20:10.1f}" for p in e["peak_bytes_per_rank"]))
+    lines.append(f"(peak: the larger of the start of backward, device state less grads + comm_buckets + "
+                 f"master_grads + gathered_unit + {used} + loss_transient, and the step: state + optimizer_step)")
+    if "budget_gib" in e:
+        verdict = "fits" if e["fits"] else "does not fit"
+        lines.append(f"budget {e['budget_gib']} GiB per rank: {verdict}; largest micro-batch that fits: "
+                     f"{e['largest_micro_batch'] or 'none (not even 1)'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        e = run(args)
+    except ValueError as err:  # ConfigError, EstimateError, ModelSpecError: one line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(e) if args.json else table(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The peak of a rank's own tensor memory: exact on a CPU, the allocator's peak on a GPU.
+
+``summary.json`` holds ``peak_tensor_bytes`` (one value per rank) and ``peak_tensor_source``.
+
+The window is the training steps from the first one through the memory probe's step (step 1,
+where Adam's states exist; every later step repeats that step's pattern), set-up excluded: what is
+alive when the first step begins counts, the set-up's transient peak does not.
+
+CPU: torch's profiler with ``profile_memory`` sees every allocation and free of c10's CPU allocator,
+each with the running total of the bytes allocated since the profiler started. It starts before the
+model is built, so that total is every tensor of the job that is alive. Allocations made on threads the
+profiler does not follow (gloo's worker threads: collectives' temporaries) are left out. The profiler
+also records each op (in C++, no Python per op); it stops at the end of the probe step, so a job pays
+that for its set-up and steps 0 and 1 only, the warm-up steps the summary's step-time medians leave
+out anyway; reading the events is one pass in Python at that point. ``--profile`` runs torch's
+profiler itself, and one thread holds one profiler: there the key is null and ``log.txt`` says why.
+
+GPU: ``torch.cuda.max_memory_allocated``, reset when the first step begins, read after the probe step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .profiling import _quiet_stderr as _quiet_fd2  # Kineto prints a line on fd 2 at start and stop
+
+MARK = "guide::tensor_peak_window"
+
+
+class CpuTensorPeak:
+    """Counts the CPU allocator's bytes from ``start()``; ``stop()`` gives the largest total from ``mark()`` on."""
+
+    def __init__(self):
+        self.active = False
+
+    def start(self) -> None:
+        from torch._C._autograd import _enable_profiler, _prepare_profiler
+        from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
+
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        with _quiet_fd2():
+            _prepare_profiler(config, {ProfilerActivity.CPU})
+            _enable_profiler(config, {ProfilerActivity.CPU})
+        self.active = True
+
+    def mark(self) -> None:
+        """The window starts here: an event the profiler records, by which the totals are split."""
+        with torch.profiler.record_function(MARK):
+            pass
+
+    def stop(self) -> int | None:
+        """Stop the profiler; the window's peak in bytes (None if ``mark()`` was never reached)."""
+        from torch._C._autograd import _disable_profiler
+
+        with _quiet_fd2():
+            result = _disable_profiler()
+        self.active = False
+        return window_peak(result.experimental_event_tree())
+
+    def close(self) -> None:
+        if self.active:
+            from torch._C._autograd import _disable_profiler
+
+            with _quiet_fd2():
+                _disable_profiler()
+            self.active = False
+
+
+def window_peak(roots) -> int | None:
+    """The largest running total of allocated bytes from the mark on (the total at the mark included)."""
+    mark, allocs, stack = None, [], list(roots)
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        fields = e.extra_fields
+        if hasattr(fields, "total_allocated"):
+            if fields.device.type == "cpu":
+                allocs.append((e.start_time_ns, fields.total_allocated))
+        elif e.name == MARK:
+            mark = e.start_time_ns
+    if mark is None:
+        return None
+    allocs.sort()
+    before = [total for t, total in allocs if t < mark]
+    during = [total for t, total in allocs if t >= mark]
+    return max([before[-1] if before else 0, *during])
+
+
+def source(device: torch.device, peak) -> str | None:
+    """How ``peak_tensor_bytes`` was measured, for summary.json."""
+    if peak is None:
+        return None
+    return "cuda.max_memory_allocated" if device.type == "cuda" else "profiler memory events (CPU allocator)"

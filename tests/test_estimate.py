@@ -1,0 +1,108 @@
+"""python -m helpers.estimate: bad input, the JSON, budgets, and its state bytes against real tiny jobs."""
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+from conftest import REPO, job_env, run_job, summary
+
+from helpers import estimate as est
+from helpers.mapping import CATEGORIES
+
+FS = "launch_configs/fsdp/full_shard.yaml"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "helpers.estimate", *args], cwd=REPO, env=job_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def args(config=FS, model="tiny", world_size=2, micro_batch=None, seq_len=None, budget_gib=None):
+    return Namespace(config=str(REPO / config), model=model, world_size=world_size, micro_batch=micro_batch,
+                     seq_len=seq_len, budget_gib=budget_gib, json=True)
+
+
+@pytest.mark.parametrize("extra, names", [
+    (("--world-size", "0"), "--world-size"),
+    (("--world-size", "2", "--model", "no-such-model"), "no-such-model"),
+    (("--world-size", "2", "--seq-len", "1"), "--seq-len = 1"),
+    (("--world-size", "2", "--budget-gib", "-1"), "--budget-gib"),
+    (("--world-size", "3", "--config", "launch_configs/deepspeed/zero3_hpz.yaml"), "zero_hpz_partition_size = 2"),
+])
+def test_bad_input_is_one_line_exit_2(extra, names):
+    p = cli("--config", FS, *extra)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], p.stderr
+
+
+def test_json_has_the_peak_per_rank_and_the_categories():
+    p = cli("--config", FS, "--model", "small", "--world-size", "3", "--micro-batch", "2", "--json")
+    assert p.returncode == 0, p.stderr
+    e = json.loads(p.stdout)
+    assert len(e["peak_bytes_per_rank"]) == 3 and len(e["categories_per_rank"]) == 3
+    for row, peak in zip(e["categories_per_rank"], e["peak_bytes_per_rank"], strict=True):
+        assert set(CATEGORIES) | {"activations", "activations_checkpointed", "gathered_unit", "comm_buckets",
+                                  "master_grads", "optimizer_step", "loss_transient", "host", "disk"} <= set(row)
+        at_rest = sum(row[k] for k in (*CATEGORIES, "comm_buckets", "master_grads", "gathered_unit"))
+        backward = at_rest - row["grads"] + row["activations"] + row["loss_transient"]  # FSDP: no grads yet
+        assert peak == max(at_rest + row["optimizer_step"], backward)
+        assert row["activations_checkpointed"] < row["activations"]
+    assert e["categories_per_rank"][2]["optimizer_states"] < e["categories_per_rank"][0]["optimizer_states"]
+
+
+def test_budget_gives_the_largest_micro_batch_that_fits():
+    e = est.run(args(model="medium", world_size=8, seq_len=1024, budget_gib=4))
+    b = e["largest_micro_batch"]
+    assert b >= 1
+    assert max(est.run(args(model="medium", world_size=8, seq_len=1024, micro_batch=b))["peak_bytes_per_rank"]) \
+        <= 4 * 2**30 < max(est.run(args(model="medium", world_size=8, seq_len=1024,
+                                        micro_batch=b + 1))["peak_bytes_per_rank"])
+    assert est.run(args(model="medium", world_size=1, budget_gib=0.001))["largest_micro_batch"] == 0
+
+
+def test_offload_moves_state_to_host_and_disk():
+    fs = est.run(args("launch_configs/fsdp/full_shard_offload.yaml"))["categories_per_rank"][0]
+    assert all(fs[c] == 0 for c in CATEGORIES) and fs["host"] > 0
+    nvme = est.run(args("launch_configs/deepspeed/zero3_nvme.yaml"))["categories_per_rank"][0]
+    assert nvme["disk"] > 0 and nvme["optimizer_states"] == nvme["master_params"] == 0
+
+
+@pytest.mark.parametrize("config", sorted(str(p.relative_to(REPO)) for p in (REPO / "launch_configs").rglob("*.yaml")))
+def test_every_shipped_config_estimates(config):
+    e = est.run(args(config, model="small", world_size=4))
+    assert len(e["peak_bytes_per_rank"]) == 4 and min(e["peak_bytes_per_rank"]) > 0
+
+
+def test_any_config_json_builds_on_meta(tmp_path):
+    cfg = {"model_type": "qwen2", "vocab_size": 151_936, "hidden_size": 3584, "intermediate_size": 18_944,
+           "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    e = est.run(args(model=str(tmp_path), world_size=8, micro_batch=1, seq_len=4096))
+    assert 7.0e9 < e["num_params"] < 8.0e9  # Qwen2-7B's shape: no weights were made or downloaded
+
+
+@pytest.mark.parametrize("config, ranks", [(FS, 3), ("launch_configs/fsdp/no_shard.yaml", 2)])
+def test_state_bytes_equal_a_real_job_exactly(tmp_path, config, ranks):
+    """FULL_SHARD on 3 ranks (tiny's rows do not split evenly: the last rank's Adam moments are smaller) and
+    NO_SHARD: every rank's four state categories, to the byte; the activations within 2%."""
+    proc = run_job(config, tmp_path, ranks, "--model", "tiny", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(tmp_path)
+    e = est.run(args(config, world_size=ranks))
+    for r in range(ranks):
+        assert {c: e["categories_per_rank"][r][c] for c in CATEGORIES} == s["memory_bytes"][r], r
+    measured = s["activation_bytes_per_sample"] * 8
+    assert abs(e["categories_per_rank"][0]["activations"] - measured) <= 0.02 * measured
+    if ranks == 3:
+        assert s["memory_bytes"][2]["optimizer_states"] < s["memory_bytes"][0]["optimizer_states"]
+
+
+def test_widget_uses_the_same_offload_rules():
+    from helpers import widgets
+
+    w = widgets.estimate(1_000_000, 4, "SHARD_GRAD_OP / ZeRO-1", True, "bf16 mixed (fp32 shards / master)")
+    moved = est.offloaded("zero1", offload=True)
+    assert {c for c, v in w["zero1"]["host"].items() if v} == set(moved)

@@ -228,8 +228,10 @@ def compute_bytes(job) -> int:
 
 
 def checkpointing(job) -> bool:
-    opts = job.fsdp if job.backend == "fsdp" else job.deepspeed
-    return bool(getattr(opts, "activation_checkpointing", False))
+    """Does the config turn activation checkpointing on (the same rule the jobs follow)?"""
+    from .recompute import requested
+
+    return requested(job)
 
 
 def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: int) -> dict:

@@ -40,6 +40,7 @@ import os
 import pandas as pd
 
 from helpers import loading, nb, plots, results
+from helpers.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: a smaller model, 2 ranks only
 MODEL, WORLDS = ("small", [2]) if SIZE == "quick" else ("medium", [2, 4])
@@ -116,7 +117,9 @@ for ax, n in zip(axes[0], WORLDS, strict=True):
     width = 0.8 / len(NAMES)
     for i, label in enumerate(NAMES.values()):
         s = sub[sub.method == label]
-        ax.bar(s["rank"] + (i - 1) * width, s.peak_anon_MiB, width, label=label)
+        ax.bar(s["rank"] + (i - 1) * width, s.peak_anon_MiB, width, label=label,
+               color=plots.COLORS["deepspeed" if label.startswith("ZeRO") else "fsdp"],
+               hatch="//" if label == "naive" else None, edgecolor="white")
     ax.axhline(full_MiB, color="k", ls="--", lw=1, label="whole model (fp32)")
     ax.axhline(full_MiB / n, color="k", ls=":", lw=1, label="one shard (fp32)")
     ax.set(xlabel="rank", ylabel="peak RssAnon above start (MiB)", title=f"{n} ranks", xticks=range(n))
@@ -141,23 +144,24 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 # The checks below hold these statements to the numbers of this run.
 
 # %%
-assert set(table.used) == {"naive", "fsdp_ram_efficient", "zero3_init"}
-assert table.weights_match.all(), "a loaded model differs from the file"
+claim("each job used the method its config asks for, and every loaded model equals the file on every rank",
+      set(table.used) == {"naive", "fsdp_ram_efficient", "zero3_init"} and table.weights_match.all())
 # on `small` (quick size) a rank's fixed costs (communication buffers, DeepSpeed's bookkeeping) are a
 # larger share of its peak than on `medium`, so the gap to naive is narrower there
 BOUND = 0.6 if MODEL == "medium" else 0.8
 for n in WORLDS:
     sub = table[table.world_size == n]
     peak = {label: sub[sub.method == label].set_index("rank").peak_anon_MiB for label in NAMES.values()}
-    assert (peak["naive"] > 0.9 * full_MiB).all(), (n, "naive holds the whole model on every rank")
-    naive = peak["naive"].min()
-    ram = peak["FSDP RAM-efficient"]
-    assert ram.drop(0).max() < BOUND * naive, (n, "FSDP RAM-efficient, ranks > 0", ram.to_dict(), naive)
-    assert ram[0] > 1.3 * ram.drop(0).max(), (n, "rank 0 holds the full state dict", ram.to_dict())
-    zero = peak["ZeRO-3 init"]
-    assert zero.max() < BOUND * naive, (n, "ZeRO-3 init: no rank holds the whole model", zero.to_dict(), naive)
-print("naive: the whole model everywhere; FSDP RAM-efficient: rank 0 high, the others well below naive;")
-print("ZeRO-3 init: every rank well below naive; weights equal the file everywhere")
+    naive, ram, zero = peak["naive"], peak["FSDP RAM-efficient"], peak["ZeRO-3 init"]
+    claim(f"{n} ranks, naive: every rank peaks at the whole model (over 90% of its fp32 size)",
+          (naive > 0.9 * full_MiB).all(), peak_MiB=naive.round(0).tolist(), model_MiB=full_MiB)
+    claim(f"{n} ranks, FSDP RAM-efficient: the other ranks peak far below naive (under {BOUND:.0%} of it)",
+          ram.drop(0).max() < BOUND * naive.min(), others_MiB=ram.drop(0).round(0).tolist(), naive_MiB=naive.min())
+    claim(f"{n} ranks, FSDP RAM-efficient: rank 0, which reads the whole state dict, peaks well above the "
+          "others (over 1.3x)", ram[0] > 1.3 * ram.drop(0).max(), rank0_MiB=ram[0], others_max_MiB=ram.drop(0).max())
+    claim(f"{n} ranks, ZeRO-3 init: no rank holds the whole model, rank 0 included (every rank under "
+          f"{BOUND:.0%} of naive)", zero.max() < BOUND * naive.min(), peak_MiB=zero.round(0).tolist(),
+          naive_MiB=naive.min())
 
 # %% [markdown]
 # ## The rotary-buffer trap
@@ -184,8 +188,9 @@ rotary = meta.model.rotary_emb
 print("after to_empty:", rotary.inv_freq[:4], " correct:", good[:4])
 fixed = loading.fix_rotary(meta, "cpu")
 print("after fix_rotary:", rotary.inv_freq[:4])
-assert "model.rotary_emb.inv_freq" not in meta.state_dict()  # why no checkpoint can fix it
-assert fixed == 1 and torch.equal(rotary.inv_freq, good)
+claim("inv_freq is in no state dict, so no checkpoint can restore it", "model.rotary_emb.inv_freq" not in meta.state_dict())
+claim("fix_rotary rebuilt the one rotary buffer, equal to a freshly built model's", fixed == 1
+      and torch.equal(rotary.inv_freq, good))
 
 # %% [markdown]
 # ## Recap
@@ -200,8 +205,10 @@ for n in WORLDS:
 
 # %% [markdown]
 # * Naive loading costs every rank the whole model before sharding.
-# * FSDP's RAM-efficient loading (meta init, rank-0 read, broadcast) and DeepSpeed's ZeRO-3
-#   init (partition on creation) keep the other ranks near their shard; rank 0 still reads it all.
+# * FSDP's RAM-efficient loading (meta init, rank-0 read, broadcast) keeps the other ranks
+#   far below naive; its rank 0 still reads the whole state dict.
+# * DeepSpeed's ZeRO-3 init (partition on creation) keeps every rank, rank 0 included, below
+#   the whole model.
 # * Weights loaded either way equal the file (checksums from every rank's shard).
 # * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict.
 

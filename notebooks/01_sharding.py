@@ -144,8 +144,8 @@ print(over.groupby(["mode", "world_size"]).ratio.max().round(3).to_string())
 # ## More ranks, less per rank — for the sharded parts
 #
 # The fully sharded modes (`full_shard`, `zero3`) divide everything by the number of
-# ranks; ZeRO-2 keeps whole parameters; `no_shard` divides nothing. (At full size; the quick
-# size runs only the fully sharded pair at 1 rank.)
+# ranks; ZeRO-2 keeps whole parameters; `no_shard` divides nothing (those two are run at 1
+# rank at full size only; the quick size plots the fully sharded pair).
 
 # %%
 sweep_modes = [m for m in ("no_shard", "full_shard", "zero0", "zero2", "zero3")

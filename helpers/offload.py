@@ -206,7 +206,7 @@ def build_aio() -> list[str]:
     """Build DeepSpeed's async_io op on first use (before the job's --timeout clock starts), saying so.
 
     ``make setup`` does not build it (~5 min on 2 cores, for one notebook cell); the first NVMe job
-    does, once per machine (cached under $TORCH_EXTENSIONS_DIR; ``python -m helpers.warmup --nvme`` builds
+    does, once per checkout (cached under $TORCH_EXTENSIONS_DIR; ``python -m helpers.warmup --nvme`` builds
     it ahead, e.g. before a workshop). Every rank calls this; torch's build lock makes one build and the
     others wait for it. Returns a note for log.txt when this job built it."""
     if _built("async_io"):

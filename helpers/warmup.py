@@ -14,7 +14,7 @@ What it builds, and what each costs the first time on 2 idle cores:
 
 Nothing else is built: the CPU offload configs step a torch AdamW on the host
 (``zero_force_ds_cpu_optimizer: false``), so DeepSpeed's ``cpu_adam`` op is never needed.
-The builds are cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``);
+The builds are cached under ``$TORCH_EXTENSIONS_DIR`` (default: the checkout's ``build/torch_extensions``);
 a second call takes a few seconds. On a GPU node DeepSpeed builds its CUDA ops itself, when
 first used.
 

@@ -326,10 +326,11 @@ print(json.dumps(ds_json, indent=2))
 # We run it (and an FSDP job with the same clipping, `--grad-clip 1.0`) for `SHORT` steps
 # at `LR_HIGH`, where gradient norms exceed 1, and compare with the first `SHORT` steps of
 # the aligned FSDP run of section 2 (a job's first steps do not depend on how many follow).
+# The DeepSpeed job also writes a tensor trace (`--trace-tensors`), for `helpers.compare` below.
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config notebooks/runs/02_configs/zero3_implicit.yaml \
-#     --out notebooks/runs/02_ds_implicit_clip $ARGS --steps $SHORT --lr $LR_HIGH | tail -n 1
+#     --out notebooks/runs/02_ds_implicit_clip $ARGS --steps $SHORT --lr $LR_HIGH --trace-tensors | tail -n 1
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/full_shard.yaml \
 #     --out notebooks/runs/02_fsdp_clip $ARGS --steps $SHORT --lr $LR_HIGH --grad-clip 1.0 | tail -n 1
 
@@ -375,9 +376,9 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 # exact fingerprint and the dtype of the weight, the gradient before and after reduction, and
 # the update (`helpers/tensor_trace.py`); `compare` then names the first tensor that differs,
 # its stage and its dtype on each side. It is the tool to reach for when two backends
-# disagree. Two demos, `TRACE` steps each: the stalling pair of section 1 (bf16-only vs
-# aligned FSDP at lr `LR`), and the clipping breaker above (DeepSpeed's implicit clip vs
-# aligned FSDP at `LR_HIGH`).
+# disagree. Two demos: the stalling pair of section 1 (bf16-only vs aligned FSDP at lr `LR`,
+# `TRACE` steps each), and the clipping breaker above (DeepSpeed's implicit clip, the traced
+# job above, vs aligned FSDP at `LR_HIGH` for `TRACE` steps; `compare` reads the steps both ran).
 
 # %%
 TRACE = 3
@@ -390,13 +391,11 @@ os.environ["TRACE"] = str(TRACE)
 # done
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/full_shard.yaml \
 #     --out notebooks/runs/02_trace_high $ARGS --steps $TRACE --lr $LR_HIGH --trace-tensors | tail -n 1
-# torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config notebooks/runs/02_configs/zero3_implicit.yaml \
-#     --out notebooks/runs/02_trace_ds_implicit_clip $ARGS --steps $TRACE --lr $LR_HIGH --trace-tensors | tail -n 1
 # echo "--- the stalling pair"
 # python -m helpers.compare notebooks/runs/02_trace_full_shard_low_precision notebooks/runs/02_trace_full_shard
 # echo "exit status $?"
 # echo "--- DeepSpeed's implicit clipping"
-# python -m helpers.compare notebooks/runs/02_trace_high notebooks/runs/02_trace_ds_implicit_clip
+# python -m helpers.compare notebooks/runs/02_trace_high notebooks/runs/02_ds_implicit_clip
 # echo "exit status $?"
 
 # %% [markdown]
@@ -414,7 +413,7 @@ stall = compare.compare("notebooks/runs/02_trace_full_shard_low_precision", "not
 t = stall.tensor
 assert stall.first_step == 1 and (t.step, t.stage, t.dtype_a, t.dtype_b) == (0, "update", "bf16", "fp32"), stall
 assert t.changed_a < t.changed_b / 2, (t.changed_a, t.changed_b)
-clip = compare.compare("notebooks/runs/02_trace_high", "notebooks/runs/02_trace_ds_implicit_clip")
+clip = compare.compare("notebooks/runs/02_trace_high", "notebooks/runs/02_ds_implicit_clip")
 high = results.load_run("notebooks/runs/02_trace_high")
 first_clipped = int(high.metrics.loc[high.metrics["grad_norm"] > 1.0, "step"].min())
 c = clip.tensor

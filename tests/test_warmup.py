@@ -38,3 +38,18 @@ def test_fresh_or_busy_lock_is_kept(tmp_path, monkeypatch):
         worker.kill()
         worker.wait()
     assert len(clear_stale_locks()) == 1 and not busy.exists() and fresh.exists()
+
+
+def test_ops_build_into_the_checkout_unless_told_otherwise(tmp_path):
+    """Two checkouts sharing ~/.cache/torch_extensions rebuild each other's ops; each gets its own by default."""
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    code = "import os, helpers; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    unset = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True)
+    assert unset.stdout.strip() == str(repo / "build" / "torch_extensions")
+    given = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+                           capture_output=True, text=True, check=True)
+    assert given.stdout.strip() == str(tmp_path)

@@ -33,13 +33,14 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
 ``peak_bytes_per_rank`` is the larger of two moments. The start of backward: state on the device +
 comm buckets + master_grads + gathered unit + activations + loss transient, less the gradients,
 which do not exist yet (FSDP and DeepSpeed free them after each step; ZeRO-3 keeps one gradient
-buffer from start-up); with checkpointing, the larger of the checkpointed column without its one
-recomputed block + loss transient, and the column without the head's part (the loss's backward is
-over before the first block is recomputed); on ZeRO-1/2 the bucket is allocated at the first
-gradient, once the loss's gradients and the head's activations are freed (the logits' gradient in the
-compute dtype and the head's weight gradient are alive), so there the moment is the larger of the end
-of forward without the bucket and that one. The optimizer step: all of the state, buckets,
-master_grads, the gathered unit and optimizer_step, no activations.
+buffer from start-up; under NO_SHARD the output layer's gradient is counted); with checkpointing,
+the larger of the checkpointed column without its one recomputed block + loss transient, and the
+column without the head's part (the loss's backward is over before the first block is recomputed);
+on ZeRO-1/2 the bucket is allocated at the first gradient, once the loss's gradients and the head's
+activations are freed (the logits' gradient in the compute dtype and the head's weight gradient are
+alive), so there the moment is the larger of the end of forward without the bucket and that one.
+The optimizer step: all of the state, buckets, master_grads, the gathered unit and optimizer_step,
+no activations.
 
 Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
 CUDA context, temporaries of single ops (a matmul's output before it is saved), gloo's and nccl's own
@@ -282,13 +283,15 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
             head = head_per_token(shapes.cfg, c) * micro_batch * seq_len
             first_grad = c * tokens_v + c * shapes.cfg.vocab_size * shapes.cfg.hidden_size  # d logits, d lm_head
             backward = max(at_rest - grads - buckets + used, at_rest - grads + used - head + first_grad)
-        elif checkpointing(job):  # the loss's backward and a block's recompute come one after the other
-            tokens = micro_batch * seq_len
-            start = acts_ckpt - block_per_token(shapes.cfg, c) * tokens + extra["loss_transient"]
-            recompute = acts_ckpt - head_per_token(shapes.cfg, c) * tokens
-            backward = at_rest - grads + max(start, recompute)
-        else:
-            backward = at_rest - grads + used + extra["loss_transient"]
+        else:  # NO_SHARD: the output layer's gradient is alive with the loss's (measured; sharded modes: later)
+            head_grad = grads * shapes.cfg.vocab_size * shapes.cfg.hidden_size // shapes.numel
+            head_grad = head_grad if key == "no_shard" else 0
+            start = used + extra["loss_transient"] + head_grad
+            if checkpointing(job):  # the loss's backward and a block's recompute come one after the other
+                tokens = micro_batch * seq_len
+                start -= block_per_token(shapes.cfg, c) * tokens
+                start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
+            backward = at_rest - grads + start
         peaks.append(max(backward, at_rest + step_temp))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,

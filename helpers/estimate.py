@@ -31,13 +31,16 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     ``offload_param`` to cpu or nvme): moved out of the device categories.
 
 ``peak_bytes_per_rank`` is the larger of two moments. The start of backward: state on the device +
-comm buckets + master_grads + gathered unit + activations (or the checkpointed column) + loss
-transient, less the gradients, which do not exist yet (FSDP and DeepSpeed free them after each step;
-ZeRO-3 keeps one gradient buffer from start-up); on ZeRO-1/2 the bucket is allocated at the first
-gradient, once the loss's gradients and the head's activations are freed (the logits' gradient in the
-compute dtype and the head's weight gradient are alive), so there the moment is the larger of the end
-of forward without the bucket and that one. The optimizer step: all of the state, buckets,
-master_grads, the gathered unit and optimizer_step, no activations.
+comm buckets + master_grads + gathered unit + activations + loss transient, less the gradients,
+which do not exist yet (FSDP and DeepSpeed free them after each step; ZeRO-3 keeps one gradient
+buffer from start-up; under NO_SHARD the output layer's gradient is counted); with checkpointing,
+the larger of the checkpointed column without its one recomputed block + loss transient, and the
+column without the head's part (the loss's backward is over before the first block is recomputed);
+on ZeRO-1/2 the bucket is allocated at the first gradient, once the loss's gradients and the head's
+activations are freed (the logits' gradient in the compute dtype and the head's weight gradient are
+alive), so there the moment is the larger of the end of forward without the bucket and that one.
+The optimizer step: all of the state, buckets, master_grads, the gathered unit and optimizer_step,
+no activations.
 
 Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
 CUDA context, temporaries of single ops (a matmul's output before it is saved), gloo's and nccl's own
@@ -155,12 +158,18 @@ def _dims(cfg) -> tuple[int, int, int, int, int, int, int]:
 def activation_bytes(cfg, micro_batch: int, seq_len: int, c: int, checkpointed: bool = False) -> int:
     """Bytes autograd keeps after one forward of ``micro_batch`` x ``seq_len`` (formula: module doc)."""
     h, heads, d, kv, inter, layers, vocab = _dims(cfg)
-    block = 2 * (4 * h + c * h + 4) + c * (2 * h + 2 * heads * d + 2 * kv * d) + 4 * heads + 4 * c * inter
+    block = block_per_token(cfg, c)
     head = head_per_token(cfg, c)
     tokens = micro_batch * seq_len
     per_seq = 2 * c * d * seq_len + 16 * seq_len  # RoPE cos/sin (shared by the batch), token ids and labels
     blocks = (c * h * layers + block) * tokens if checkpointed else block * layers * tokens
     return blocks + head * tokens + per_seq
+
+
+def block_per_token(cfg, c: int) -> int:
+    """Activation bytes per token of one decoder block (formula: module doc)."""
+    h, heads, d, kv, inter, _, _ = _dims(cfg)
+    return 2 * (4 * h + c * h + 4) + c * (2 * h + 2 * heads * d + 2 * kv * d) + 4 * heads + 4 * c * inter
 
 
 def head_per_token(cfg, c: int) -> int:
@@ -274,8 +283,15 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
             head = head_per_token(shapes.cfg, c) * micro_batch * seq_len
             first_grad = c * tokens_v + c * shapes.cfg.vocab_size * shapes.cfg.hidden_size  # d logits, d lm_head
             backward = max(at_rest - grads - buckets + used, at_rest - grads + used - head + first_grad)
-        else:
-            backward = at_rest - grads + used + extra["loss_transient"]
+        else:  # NO_SHARD: the output layer's gradient is alive with the loss's (measured; sharded modes: later)
+            head_grad = grads * shapes.cfg.vocab_size * shapes.cfg.hidden_size // shapes.numel
+            head_grad = head_grad if key == "no_shard" else 0
+            start = used + extra["loss_transient"] + head_grad
+            if checkpointing(job):  # the loss's backward and a block's recompute come one after the other
+                tokens = micro_batch * seq_len
+                start -= block_per_token(shapes.cfg, c) * tokens
+                start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
+            backward = at_rest - grads + start
         peaks.append(max(backward, at_rest + step_temp))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,

@@ -47,6 +47,11 @@ FAIL_MODES = ("raise", "exit", "kill", "hang")
 _REPO = Path(__file__).resolve().parent.parent
 
 
+class JobStop(RuntimeError):
+    """A failure that is its own explanation (e.g. a memory budget passed): reported as one ``error:`` line,
+    without a traceback."""
+
+
 class OutDirError(ValueError):
     """``--out`` cannot be used; the message says why and what to do."""
 
@@ -245,8 +250,10 @@ class JobGuard:
     # ---- the way out
     def fail(self, exc: BaseException):
         """Main thread: this rank raised. Report, let rank 0 write the summary, exit 1."""
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         where = _frames(traceback.extract_tb(exc.__traceback__))
+        if isinstance(exc, JobStop):
+            self._die("stop", str(exc), where, "")
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self._die("error", f"{type(exc).__name__}: {exc}", where, tb)
 
     def _watch(self, rfd: int) -> None:
@@ -313,7 +320,8 @@ class JobGuard:
             why = (f"rank {r} (pid {self.peers[r][1]}) died without reporting an error: killed by a signal "
                    "(SIGKILL, out of memory?) or crashed")
             return r, why, self._message([f"error: {why}", f"  rank 0 then saw: {own['reason']}"], r)
-        causes = sorted((r for r in reports.values() if r["kind"] in ("error", "timeout")), key=lambda r: r["time"])
+        causes = sorted((r for r in reports.values() if r["kind"] in ("error", "stop", "timeout")),
+                        key=lambda r: r["time"])
         first = causes[0] if causes else own
         if first["kind"] == "error":
             r = first["rank"]
@@ -324,6 +332,8 @@ class JobGuard:
                 lines += [f"  last lines of rank {r}'s traceback:"] + [f"  {ln}" for ln in tail]
             return r, first["reason"], self._message(lines, r)
         lines = [f"error: {first['reason']}"]
+        if first["kind"] == "stop":  # JobStop: the reason says it all
+            return first["rank"], first["reason"], self._message(lines, None)
         if first["kind"] == "timeout":
             lines.append("  where each rank was (innermost call first):")
             lines += [f"    rank {r}: {' <- '.join(reversed(rep['where'])) or '?'}"
@@ -342,7 +352,7 @@ class JobGuard:
                     reports[r] = rep
             silent = [r for r, (h, pid) in sorted(self.peers.items())
                       if r != 0 and r not in reports and h == host and _dead(pid)]
-            peer_cause = any(rep["kind"] == "error" for r, rep in reports.items() if r != 0)
+            peer_cause = any(rep["kind"] in ("error", "stop") for r, rep in reports.items() if r != 0)
             if silent or peer_cause or len(reports) == self.world_size or time.monotonic() > deadline:
                 return reports, silent
             time.sleep(0.1)

@@ -100,6 +100,10 @@ SUMMARY_KEYS = {
     "peak_tensor_source": "profiler memory events (CPU allocator) on CPU; cuda.max_memory_allocated on GPU",
     "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence (with "
                                    "activation checkpointing: what the checkpointed blocks hold, their inputs)",
+    "memory_budget_bytes": "--memory-budget-gib in bytes per rank (null without it); on a GPU the allocator's "
+                           "limit, on a CPU compared with peak_tensor_bytes after the probe step",
+    "memory_budget_fits": "true: every rank's peak stayed within memory_budget_bytes; false: the job stopped "
+                          "because one did not (status failed, reason says which rank); null: no budget",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
                                 "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
                                 "gradient_checkpointing (2 blocks)\" (helpers.recompute)",

@@ -114,8 +114,9 @@ class Observers(Observer):
 def default_observers(s: JobState) -> Observers:
     """The guide's measurements, in the order their hooks run (and their log lines appear)."""
     traces = [TensorTraces()] if s.args.trace_tensors else []
-    return Observers([Throughput(), Loading(), Memory(), TensorPeak(), Dtypes(), Updates(enabled=s.args.track_updates),
-                      Profiler(), *traces, Checkpoints(), ProgressLog()])
+    peak = TensorPeak()
+    return Observers([Throughput(), Loading(), Memory(), peak, MemoryBudget(peak, s.args.memory_budget_gib), Dtypes(),
+                      Updates(enabled=s.args.track_updates), Profiler(), *traces, Checkpoints(), ProgressLog()])
 
 
 # ---------------------------------------------------------------------------------------------- the measurements
@@ -276,8 +277,13 @@ class TensorPeak(Observer):
             self.peak = torch.cuda.max_memory_allocated(s.device)
         elif self.cpu:
             self.peak = self.cpu.stop()
+        self.gather(s)  # here, so that MemoryBudget can compare every rank's peak with the budget
 
     def on_train_end(self, s):
+        if not self.keys:  # no step ran (a resume at the last step)
+            self.gather(s)
+
+    def gather(self, s):
         from .tensor_peak import source
 
         self.keys = {"peak_tensor_bytes": gather(self.peak), "peak_tensor_source": source(s.device, self.peak)}
@@ -288,6 +294,40 @@ class TensorPeak(Observer):
     def close(self, s):
         if self.cpu:
             self.cpu.close()
+
+
+class MemoryBudget(Observer):
+    """``--memory-budget-gib G``: on a GPU the allocator's limit (an out-of-memory stops the job cleanly, see
+    ``helpers.train.budget_verdict``); on a CPU, after the probe step, every rank's ``peak_tensor_bytes`` against
+    the budget (over it: the job stops with one ``error:`` line). ``memory_budget_bytes``, ``memory_budget_fits``."""
+
+    def __init__(self, peak: TensorPeak, gib: float | None):
+        self.peak, self.budget, self.fits = peak, int(gib * 2**30) if gib else None, None
+
+    def on_load_begin(self, s):
+        if self.budget and s.use_cuda:
+            from .tensor_peak import limit_device
+
+            s.run.log(f"memory budget {s.args.memory_budget_gib:g} GiB per rank: {limit_device(s.device, self.budget)}")
+        elif self.budget:
+            s.run.log(f"memory budget {s.args.memory_budget_gib:g} GiB per rank: checked against peak_tensor_bytes "
+                      f"after step {s.probe_step} (a CPU has no allocator limit to set)")
+
+    def on_step_end(self, s, step, row):
+        if not self.budget or step != s.probe_step:
+            return
+        from .guard import JobStop
+        from .tensor_peak import over_budget
+
+        why = over_budget(self.peak.keys["peak_tensor_bytes"], self.budget, f"{s.start_step}-{step}")
+        self.fits = why is None
+        if why:
+            raise JobStop(why)
+        s.run.log(f"memory budget: fits (peak {max(p for p in self.peak.keys['peak_tensor_bytes']) / 2**30:.4f} GiB "
+                  f"<= {s.args.memory_budget_gib:g} GiB on every rank)")
+
+    def summary(self, s):
+        return {"memory_budget_bytes": self.budget, "memory_budget_fits": self.fits}
 
 
 class Dtypes(Observer):

@@ -91,3 +91,27 @@ def source(device: torch.device, peak) -> str | None:
     if peak is None:
         return None
     return "cuda.max_memory_allocated" if device.type == "cuda" else "profiler memory events (CPU allocator)"
+
+
+# --------------------------------------------------------------------------- --memory-budget-gib
+
+GIB = 2**30
+
+
+def limit_device(device: torch.device, budget_bytes: int) -> str:
+    """On a GPU, make the budget the allocator's limit (an allocation past it raises OutOfMemoryError)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    return f"a limit of the caching allocator ({budget_bytes / total:.4f} of {total / GIB:.1f} GiB)"
+
+
+def over_budget(peaks: list[int | None], budget_bytes: int, steps: str) -> str | None:
+    """Why the job stops (the largest rank's peak passed the budget), or None when every rank fits."""
+    known = [(p, r) for r, p in enumerate(peaks) if p is not None]
+    if not known:
+        return None
+    peak, rank = max(known)
+    if peak <= budget_bytes:
+        return None
+    return (f"peak tensor memory {peak / GIB:.4f} GiB (rank {rank}, steps {steps}) passed "
+            f"--memory-budget-gib {budget_bytes / GIB:g}")

@@ -24,6 +24,7 @@ rank 0 naming the rank, and a failed ``summary.json`` (see helpers.guard).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -54,6 +55,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see python -m helpers.train --help)\n")
 
 
+def positive_gib(text: str) -> float:
+    """argparse type for --memory-budget-gib: a finite number of GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--memory-budget-gib = {text!r}: must be a number of GiB > 0 "
+                                         "(the tensor memory each rank may use, e.g. 0.5)")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = _Parser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="Accelerate-format YAML (launch_configs/...)")
@@ -82,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.checkpoint)")
     ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
     ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")
+    ap.add_argument("--memory-budget-gib", type=positive_gib, help="tensor memory per rank, in GiB: on a GPU the "
+                    "allocator's limit (an out-of-memory stops the job with one line), on a CPU checked against "
+                    "peak_tensor_bytes after step 1 (helpers.tensor_peak)")
     ap.add_argument("--track-updates", action="store_true", help="updated_fraction per step in metrics.jsonl "
                     "(helpers.precision.UpdateTracker: copies every shard each step; null without it)")
     return ap.parse_args(argv)
@@ -205,7 +221,7 @@ def main(argv=None) -> int:
         summarise(s)
     except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
         obs.close(s)
-        s.guard.fail(e)
+        s.guard.fail(budget_verdict(s, e))
     finish(s)
     return 0
 
@@ -383,6 +399,18 @@ def train_loop(s: JobState) -> None:
         obs.on_step_end(s, step, row)
 
 
+def budget_verdict(s: JobState, e: BaseException) -> BaseException:
+    """--memory-budget-gib on a GPU: an out-of-memory is the budget's answer, one line (JobStop), not a traceback."""
+    import torch
+
+    if s.args.memory_budget_gib and isinstance(e, torch.cuda.OutOfMemoryError):
+        from .guard import JobStop
+
+        return JobStop(f"out of memory under --memory-budget-gib {s.args.memory_budget_gib:g} at step "
+                       f"{s.start_step + len(s.records)} (rank {s.rank})")
+    return e
+
+
 def sum_over_ranks(values: dict, device) -> dict[str, float]:
     """Each rank's numbers (tensors or floats) summed over all ranks in one fp64 all-reduce."""
     import torch
@@ -429,7 +457,7 @@ def base_summary(s: JobState) -> dict:
         "tokens_per_step": s.tokens_per_rank_step * s.world_size,
         "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
         "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
-        "activation_checkpointing": None,
+        "activation_checkpointing": None, "memory_budget_bytes": None, "memory_budget_fits": None,
     }
 
 
@@ -441,6 +469,8 @@ def write_failed(s: JobState, failed_rank, reason, message) -> None:
     s.summary.update(s.observers.summary(s))
     s.summary.update(status="failed", reason=reason, failed_rank=failed_rank, steps=len(done),
                      **summarize_steps(done, s.tokens_per_rank_step) if done else {})
+    if s.args.memory_budget_gib and "--memory-budget-gib" in str(reason):  # any rank's budget stop
+        s.summary["memory_budget_fits"] = False
     s.run.log(message, echo=False)
     _write_summary(s)
 
@@ -483,10 +513,16 @@ def checkpointing_notes(job, spec) -> list[str]:
 
 
 def check_observers(job, spec, args) -> None:
-    """Bad --profile / --trace-tensors / wrap-policy input is refused before any rank starts (ConfigError)."""
+    """Bad --profile / --trace-tensors / --memory-budget-gib / wrap-policy input is refused before any rank starts
+    (ConfigError)."""
+    import torch
+
     from .config import ConfigError
     from .profiling import MIN_STEPS
 
+    if args.memory_budget_gib and args.profile and not torch.cuda.is_available():
+        raise ConfigError("--memory-budget-gib with --profile: on a CPU the budget is checked against "
+                          "peak_tensor_bytes, which --profile leaves untracked (one profiler per thread); drop one")
     if args.profile and job.train.steps < MIN_STEPS:
         raise ConfigError(f"--steps = {job.train.steps}: --profile records steps after warm-up and needs "
                           f"--steps >= {MIN_STEPS}")

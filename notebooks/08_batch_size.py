@@ -195,8 +195,10 @@ print(TABLE.round(2).to_string(index=False))
 # %% [markdown]
 # `runs`: the batches run and whether each fit; `largest (runs)`: the largest that fit below
 # the smallest that did not (`bracketed`: one more was run and did not fit). The measured peak
-# moves a little between identical jobs here (the table at the end shows by how much; we have
-# not pinned down why), so the runs settle a row only as far as that spread allows. `peak MiB`: the
+# moves between identical jobs here (the end of the notebook prints by how much; we have not
+# pinned down why), and one sequence adds less than that spread, so a row decided by a few MiB
+# could move by a sequence or more in another run: read `largest (runs)` as this run's answer,
+# not a constant. `peak MiB`: the
 # run at the predicted batch (at 1 when nothing is predicted to fit). `step time s` and
 # `tokens/s/rank`: the run at the largest batch, its second step (the first carries start-up): one step on a shared
 # machine, a rough figure, not a comparison.
@@ -219,8 +221,8 @@ by = TABLE.set_index(["method", "checkpointing"])
 ours, with_ac = by.xs("no", level=1)["largest (runs)"], by.xs("yes", level=1)["largest (runs)"]
 fits_at = {n: RESULT[n]["memory_budget_fits"] for n in PLAN}
 if not GPUS:
-    claim("every row is settled by runs (a fit at its largest batch, not at one more) and every prediction is "
-          "within two micro-batches of it", TABLE["bracketed"].all()
+    claim("every row is bracketed by runs (a fit at its largest batch, no fit at one more) and every prediction "
+          "is within two micro-batches of it", TABLE["bracketed"].all()
           and (TABLE["largest (runs)"] - TABLE["predicted"]).abs().max() <= 2, runs=fits_at)
     exact = (TABLE["largest (runs)"] == TABLE["predicted"]).sum()
     print(f"exact on {exact} of {len(TABLE)} rows")
@@ -321,8 +323,7 @@ print(ACTS.round(3).to_string())
 claim("checkpointing cuts the activation bytes per sequence under every method",
       all(acts[(m, True)] < acts[(m, False)] for m in METHODS), ratio=list(ACTS["with / without"]))
 spread = max(max(v) / min(v) - 1 for v in ([acts[(m, ac)] for m in METHODS] for ac in (False, True)))
-claim("and by the same bytes, within 1%, whatever the sharding (activations do not depend on it; the batches "
-      "differ, and a few per-batch tensors are shared by its sequences)", spread < 0.01, spread=spread)
+claim("and by the same bytes per sequence, within 1%, whatever the sharding", spread < 0.01, spread=spread)
 
 # %% [markdown]
 # The cost is a second forward of each block during backward. Four runs at the same batch,
@@ -345,11 +346,10 @@ claim("the losses with checkpointing are identical to those without, step by ste
       losses=plain[0].metrics["loss"].tolist())
 t = timing("checkpointed", [x for r in ckpt for x in step_times(r)], "plain", [x for r in plain for x in step_times(r)])
 print(t)
-claim("checkpointing does not make a step faster (backward runs each block's forward again)",
-      t.verdict != "faster", cost_fraction=t.ratio - 1, verdict=t.verdict)
+print(f"recompute cost here: x{t.ratio:.2f} ({t.verdict}); claimed only when the spreads part")
 ax = plots.plt.subplots(figsize=(6, 3))[1]
 box = ax.boxplot([[x for r in plain for x in step_times(r)], [x for r in ckpt for x in step_times(r)]],
-                 patch_artist=True)
+                 patch_artist=True, medianprops={"color": "black"})
 for patch, alpha in zip(box["boxes"], (1.0, 0.5)):
     patch.set(facecolor=plots.COLORS["fsdp"], alpha=alpha)
 ax.set_xticks([1, 2], ["plain", "checkpointed"])
@@ -375,12 +375,13 @@ for name in names:
     cfg = json.loads((RUNS / f"08_{name}" / "config.json").read_text())
     e = estimate(s["config"], micro_batch=cfg["train"]["micro_batch"])
     # one RAM: the host's bytes are this machine's tensors too
-    predicted = [p + (0 if GPUS else c["host"]) for p, c in zip(e["peak_bytes_per_rank"], e["categories_per_rank"])]
+    host = [0 if GPUS else c["host"] for c in e["categories_per_rank"]]
+    predicted = [p + h for p, h in zip(e["peak_bytes_per_rank"], host)]
     errs = [(p - m) / m for p, m in zip(predicted, s["peak_tensor_bytes"])]
     r = max(range(len(errs)), key=lambda i: abs(errs[i]))
     rows.append({"run": name, "micro-batch": cfg["train"]["micro_batch"], "rank": r,
                  "measured MiB": s["peak_tensor_bytes"][r] / 2**20,
-                 "predicted MiB": predicted[r] / 2**20, "error %": 100 * errs[r]})
+                 "predicted MiB": predicted[r] / 2**20, "of which host MiB": host[r] / 2**20, "error %": 100 * errs[r]})
 PEAKS = pd.DataFrame(rows)
 print(PEAKS.round(2).to_string(index=False))
 rest = PEAKS[PEAKS["run"] != "offload"]  # on a CPU the offload row is a GPU model of a no-op (below)
@@ -395,9 +396,11 @@ print(f"the same job twice (the timing runs), per rank: measured peaks "
       f"{[(round(x / 2**20, 1), round(y / 2**20, 1)) for x, y in pairs]} MiB, {100 * repeat:.1f}% apart at most")
 claim("the median error is within 10%", median <= 10, median_pct=median)
 if not GPUS:
-    off_err = float(PEAKS.loc[PEAKS["run"] == "offload", "error %"].iloc[0])
-    claim("on this CPU the offload row is over-predicted (host bytes counted on top of a device that is the host)",
-          off_err > 0, offload_error_pct=off_err)
+    o = PEAKS.loc[PEAKS["run"] == "offload"].iloc[0]
+    excess = o["predicted MiB"] - o["measured MiB"]
+    claim("on this CPU the offload row is over-predicted by less than the host bytes the prediction adds (a device "
+          "that is the host: those bytes are counted twice)", 0 < excess < o["of which host MiB"],
+          excess_MiB=excess, host_MiB=o["of which host MiB"], error_pct=o["error %"])
 claim("every row but offload is within 10% plus the spread of the measurement itself (two identical jobs)",
       rest["error %"].abs().max() <= 10 + 100 * repeat, worst_pct=float(worst["error %"]), repeat_pct=100 * repeat)
 
@@ -437,17 +440,18 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #
 # Each line is checked by a cell above, on this machine:
 #
-# * The states were a real share of the budget; every row's largest micro-batch was settled
+# * The states were a real share of the budget; every row's largest micro-batch was bracketed
 #   by runs (a fit, and no fit at one more) and the estimator's prediction was within two
-#   micro-batches of it (the exact rows are counted above).
+#   micro-batches of it (the exact rows are counted above); identical jobs' peaks moved by the
+#   spread printed at the end, so a close row can move by a sequence in another run.
 # * As in the seeds' tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more than
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
 #   sequence at all.
 # * On one RAM, offload did not fit the batch the estimator predicts for a GPU. DeepSpeed's
 #   default gradient bucket alone is larger than this budget, so its ZeRO-3 did not fit batch 1.
-# * Checkpointing cut the activation bytes per sequence by the same bytes under every method,
-#   left the losses bit-identical, and its recompute cost was stated only as far as the step
-#   times' spreads allow.
+# * Checkpointing cut the activation bytes per sequence by the same bytes (within 1%) under
+#   every method and left the losses bit-identical; its recompute cost is printed with its
+#   verdict, claimed only where the step times' spreads part.
 # * The estimator's median error over this notebook's runs was within 10%, and its worst row
 #   within 10% plus the spread between two identical jobs' measured peaks (the measurement
 #   itself moves between runs: printed above); the offload row is a GPU model, shown apart.

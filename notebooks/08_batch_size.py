@@ -26,8 +26,9 @@
 # micro-batch of each method; then each method's job runs at that batch (it should fit) and at
 # one more (it should not), two steps each, under `--memory-budget-gib`. On a GPU the budget is
 # the allocator's limit (an out-of-memory stops the job with one line); on this CPU the job
-# measures the peak of its own tensors exactly (`peak_tensor_bytes`, from the profiler's
-# allocator events over steps 0-1) and stops when it passed the budget.
+# counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's allocator
+# events over steps 0-1; identical jobs still differ, by the spread printed at the end) and
+# stops when it passed the budget.
 #
 # **What we look at.** (1) the max-batch table, next to the seeds' rows; (2) what activation
 # checkpointing changes: activation bytes per sample, the losses, and its recompute cost;
@@ -126,8 +127,8 @@ print(len(PLAN), "jobs")
 # done
 
 # %% [markdown]
-# A prediction can miss by a few percent (the table at the end shows how much), and a few
-# percent can be one sequence. Where the predicted batch did not fit, the next cell runs one
+# A prediction can miss (the table at the end shows by how much), and a miss can be worth a
+# sequence. Where the predicted batch did not fit, the next cell runs one
 # less; where one more fit too, one more again (nothing to run when every prediction held):
 
 # %%
@@ -196,8 +197,8 @@ print(TABLE.round(2).to_string(index=False))
 # `runs`: the batches run and whether each fit; `largest (runs)`: the largest that fit below
 # the smallest that did not (`bracketed`: one more was run and did not fit). The measured peak
 # moves between identical jobs here (the end of the notebook prints by how much; we have not
-# pinned down why), and one sequence adds less than that spread, so a row decided by a few MiB
-# could move by a sequence or more in another run: read `largest (runs)` as this run's answer,
+# pinned down why), so a row decided by a few MiB could move by a sequence or more in another
+# run: read `largest (runs)` as this run's answer,
 # not a constant. `peak MiB`: the
 # run at the predicted batch (at 1 when nothing is predicted to fit). `step time s` and
 # `tokens/s/rank`: the run at the largest batch, its second step (the first carries start-up): one step on a shared
@@ -448,7 +449,8 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
 #   sequence at all.
 # * On one RAM, offload did not fit the batch the estimator predicts for a GPU. DeepSpeed's
-#   default gradient bucket alone is larger than this budget, so its ZeRO-3 did not fit batch 1.
+#   default gradient bucket (the estimator's count of the config's 5e8 elements) is larger than
+#   this budget, and ZeRO-3's measured peak at batch 1 larger still: it did not fit batch 1.
 # * Checkpointing cut the activation bytes per sequence by the same bytes (within 1%) under
 #   every method and left the losses bit-identical; its recompute cost is printed with its
 #   verdict, claimed only where the step times' spreads part.

@@ -175,18 +175,3 @@ def summary_keys(flops: int, tokens_per_s_per_rank: float | None, peak: float | 
     if peak and tokens_per_s_per_rank and math.isfinite(tokens_per_s_per_rank):
         mfu = flops * tokens_per_s_per_rank / peak
     return {"flops_per_token": flops, "peak_flops": peak, "peak_flops_source": source, "mfu": mfu}
-
-
-def positive_tflops(text: str) -> float:
-    """argparse type for --peak-tflops: a finite number > 0."""
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"--peak-tflops = {text!r}: must be a number of TFLOPS > 0, the device's dense peak in the "
-            "compute dtype (e.g. 312 for an A100 in bf16)")
-    return value

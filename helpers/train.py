@@ -36,8 +36,6 @@ from functools import partial
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-from .throughput import positive_tflops
-
 if TYPE_CHECKING:
     import torch
 
@@ -55,16 +53,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see python -m helpers.train --help)\n")
 
 
-def positive_gib(text: str) -> float:
-    """argparse type for --memory-budget-gib: a finite number of GiB > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"--memory-budget-gib = {text!r}: must be a number of GiB > 0 "
-                                         "(the tensor memory each rank may use, e.g. 0.5)")
-    return value
+def positive_number(flag: str, rule: str):
+    """argparse type for a flag that takes a finite number > 0; bad input names the flag, the value and ``rule``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{flag} = {text!r}: must be {rule}")
+        return value
+
+    return parse
+
+
+PEAK_TFLOPS = positive_number("--peak-tflops", "a number of TFLOPS > 0, the device's dense peak in the compute "
+                              "dtype (e.g. 312 for an A100 in bf16)")
+BUDGET_GIB = positive_number("--memory-budget-gib", "a number of GiB > 0 (the tensor memory each rank may use, "
+                             "e.g. 0.5)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "stopped as hung (start-up included; also the process-group timeout); default 600")
     ap.add_argument("--model-dtype", help="dtype the model is loaded in: auto (default: bf16; fp32 for "
                     "DeepSpeed without bf16), bf16, fp32")
-    ap.add_argument("--peak-tflops", type=positive_tflops, help="the device's peak TFLOPS for MFU (default: "
+    ap.add_argument("--peak-tflops", type=PEAK_TFLOPS, help="the device's peak TFLOPS for MFU (default: "
                     "a table of GPUs; measured on a CPU), see helpers.throughput")
     ap.add_argument("--compile", action="store_true", default=None,
                     help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
@@ -95,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.checkpoint)")
     ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
     ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")
-    ap.add_argument("--memory-budget-gib", type=positive_gib, help="tensor memory per rank, in GiB: on a GPU the "
+    ap.add_argument("--memory-budget-gib", type=BUDGET_GIB, help="tensor memory per rank, in GiB: on a GPU the "
                     "allocator's limit (an out-of-memory stops the job with one line), on a CPU checked against "
                     "peak_tensor_bytes after step 1 (helpers.tensor_peak)")
     ap.add_argument("--track-updates", action="store_true", help="updated_fraction per step in metrics.jsonl "

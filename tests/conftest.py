@@ -56,6 +56,16 @@ def run_job(config: str, out: Path, nproc: int = 2, *extra: str, timeout: int = 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_families(config: str, out: Path, steps: int, *extra: str) -> Path:
+    """helpers.families on 2 ranks (the aligned pair's parity sweep over model families); fails the test on
+    a non-zero exit. ``extra``: e.g. ``--families llama,qwen2``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "helpers.families", "--config", str(config), "--out", str(out), "--steps", str(steps), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 def start_job(config: str, out: Path, nproc: int = 2, *extra: str, env: dict | None = None) -> subprocess.Popen:
     """Start a job in the background, stdout and stderr merged into one text pipe."""
     return subprocess.Popen(job_cmd(config, out, nproc, *extra), cwd=REPO, env={**job_env(), **(env or {})},

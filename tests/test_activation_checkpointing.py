@@ -7,13 +7,11 @@ summary.json and the measured activation bytes. The rest runs in this process on
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FSDP, REPO, ZERO3, job_env, run_job, summary
+from conftest import FSDP, REPO, ZERO3, run_families, run_job, summary
 
 from helpers import recompute
 from helpers.compare import compare
@@ -32,19 +30,11 @@ CPU = torch.device("cpu")
 # --------------------------------------------------------------------------- parity (jobs)
 
 
-def sweep(config: str, out: Path) -> Path:
-    """helpers.families for FAMILIES only, 3 steps, 2 ranks (as tests/test_families.py runs every family)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "helpers.families", "--config", config, "--out", str(out), "--steps", "3", "--families", FAMILIES]
-    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
     base = tmp_path_factory.mktemp("ac")
-    return {name: sweep(cfg, base / name) for name, cfg in
+    # FAMILIES only, 3 steps (tests/test_families.py runs every family)
+    return {name: run_families(cfg, base / name, 3, "--families", FAMILIES) for name, cfg in
             (("fsdp", FSDP), ("fsdp_ac", FSDP_AC), ("zero3", ZERO3), ("zero3_ac", ZERO3_AC))}
 
 

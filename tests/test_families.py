@@ -6,11 +6,9 @@ may only differ when it is listed in KNOWN_EXCEPTIONS with its cause.
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import FSDP, REPO, ZERO3, job_env
+from conftest import FSDP, REPO, ZERO3, run_families
 
 from helpers.compare import compare
 from helpers.families import FAMILIES, KNOWN_EXCEPTIONS
@@ -18,18 +16,10 @@ from helpers.families import FAMILIES, KNOWN_EXCEPTIONS
 STEPS = 3
 
 
-def sweep(config: str, out):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "helpers.families", "--config", str(config), "--out", str(out), "--steps", str(STEPS)]
-    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
     base = tmp_path_factory.mktemp("families")
-    return {"fsdp": sweep(FSDP, base / "fsdp"), "deepspeed": sweep(ZERO3, base / "zero3")}
+    return {"fsdp": run_families(FSDP, base / "fsdp", STEPS), "deepspeed": run_families(ZERO3, base / "zero3", STEPS)}
 
 
 def test_the_sweep_covers_what_the_issue_asks():

@@ -350,8 +350,13 @@ class JobGuard:
                 rep = read_report(error_file(self.out, r))
                 if rep is not None:
                     reports[r] = rep
-            silent = [r for r, (h, pid) in sorted(self.peers.items())
-                      if r != 0 and r not in reports and h == host and _dead(pid)]
+            dead = [r for r, (h, pid) in sorted(self.peers.items())
+                    if r != 0 and r not in reports and h == host and _dead(pid)]
+            for r in dead:  # it may have written its report and exited since we read: a dead rank's file is final
+                rep = read_report(error_file(self.out, r))
+                if rep is not None:
+                    reports[r] = rep
+            silent = [r for r in dead if r not in reports]
             peer_cause = any(rep["kind"] in ("error", "stop") for r, rep in reports.items() if r != 0)
             if silent or peer_cause or len(reports) == self.world_size or time.monotonic() > deadline:
                 return reports, silent

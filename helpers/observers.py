@@ -319,7 +319,8 @@ class MemoryBudget(Observer):
         from .guard import JobStop
         from .tensor_peak import over_budget
 
-        why = over_budget(self.peak.keys["peak_tensor_bytes"], self.budget, f"{s.start_step}-{step}")
+        why = over_budget(self.peak.keys["peak_tensor_bytes"], self.budget, f"{s.start_step}-{step}",
+                          s.args.memory_budget_gib)
         self.fits = why is None
         if why:
             raise JobStop(why)

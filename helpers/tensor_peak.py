@@ -105,8 +105,10 @@ def limit_device(device: torch.device, budget_bytes: int) -> str:
     return f"a limit of the caching allocator ({budget_bytes / total:.4f} of {total / GIB:.1f} GiB)"
 
 
-def over_budget(peaks: list[int | None], budget_bytes: int, steps: str) -> str | None:
-    """Why the job stops (the largest rank's peak passed the budget), or None when every rank fits."""
+def over_budget(peaks: list[int | None], budget_bytes: int, steps: str, budget_gib: float | None = None) -> str | None:
+    """Why the job stops (the largest rank's peak passed the budget), or None when every rank fits.
+
+    ``budget_gib``: the value the user gave, printed as given (bytes back to GiB can read 0.000999999)."""
     known = [(p, r) for r, p in enumerate(peaks) if p is not None]
     if not known:
         return None
@@ -114,4 +116,4 @@ def over_budget(peaks: list[int | None], budget_bytes: int, steps: str) -> str |
     if peak <= budget_bytes:
         return None
     return (f"peak tensor memory {peak / GIB:.4f} GiB (rank {rank}, steps {steps}) passed "
-            f"--memory-budget-gib {budget_bytes / GIB:g}")
+            f"--memory-budget-gib {budget_gib if budget_gib is not None else budget_bytes / GIB:g}")

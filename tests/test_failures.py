@@ -165,3 +165,30 @@ def test_out_dir_lock_lives_as_long_as_its_holder(tmp_path):
     assert (out / LOCK).exists()
     claim_out_dir(out).close()  # a stale .lock is no obstacle, and the earlier run is replaced
     assert [p.name for p in out.iterdir()] == [LOCK]
+
+
+def test_a_rank_that_reported_then_exited_is_not_called_silent(tmp_path, monkeypatch):
+    """Rank 0 reads the reports, rank 1 writes its own and exits, rank 0 then finds rank 1 dead: its report
+    (final once it is dead) decides, not 'died without reporting an error'."""
+    from helpers import guard
+
+    (tmp_path / "config.json").write_text("{}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    g = guard.JobGuard(str(tmp_path), 0, 2, timeout=60)
+    g.peers = {0: (guard.socket.gethostname(), os.getpid()), 1: (guard.socket.gethostname(), dead.pid)}
+    real_read, reads = guard.read_report, []
+
+    def read_late(path):  # the first read comes before rank 1 wrote; it writes, then it is gone
+        reads.append(path)
+        if len(reads) == 1:
+            guard.write_report(str(tmp_path), 1, "stop", 2, "peak passed --memory-budget-gib 0.32", [], "")
+            return None
+        return real_read(path)
+
+    monkeypatch.setattr(guard, "read_report", read_late)
+    own = {"rank": 0, "kind": "stop", "time": time.time() + 1, "step": 2, "reason": "rank 0's own stop",
+           "where": [], "details": ""}
+    failed, why, message = g._verdict(own)
+    assert "died without reporting" not in message, message
+    assert why == "peak passed --memory-budget-gib 0.32", message

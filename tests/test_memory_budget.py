@@ -20,6 +20,8 @@ def test_over_budget_names_the_largest_rank():
     assert over_budget([None], 1, "0-1") is None  # nothing measured: nothing to say
     why = over_budget([300, 2 * GIB], GIB, "0-1")
     assert why == "peak tensor memory 2.0000 GiB (rank 1, steps 0-1) passed --memory-budget-gib 1"
+    # the user's value, as given: 0.001 GiB is not a round number of bytes
+    assert over_budget([GIB], int(0.001 * GIB), "0-1", 0.001).endswith("--memory-budget-gib 0.001")
 
 
 def test_gpu_out_of_memory_becomes_one_line():

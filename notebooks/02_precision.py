@@ -184,9 +184,10 @@ print(precision.dtype_table(measured).to_string())
 # %%
 diffs = precision.seed_differences(measured)
 agree = [k for k in ("optimizer_param", "optimizer_states") if not any(d[0] == k for d in diffs)]
-assert agree == ["optimizer_param", "optimizer_states"], diffs
-assert diffs == [("stored_param", "deepspeed", "bf16", "fp32")], diffs
-print("stored params the optimizer updates and optimizer states match the seeds' table; differences:", diffs)
+claim("the tensors the optimizer updates and Adam's states match the seeds' table in every mode",
+      agree == ["optimizer_param", "optimizer_states"], differences=diffs)
+claim("the one difference in what is stored: DeepSpeed's shard is bf16 where the seeds say fp32",
+      diffs == [("stored_param", "deepspeed", "bf16", "fp32")], differences=diffs)
 
 # %% [markdown]
 # ## 4 · How many weights a step really changes
@@ -216,12 +217,18 @@ def mean_after_warmup(run, column):
 
 frac = {n: (mean_after_warmup(r, "updated_fraction"), mean_after_warmup(r, "updated_fraction_compute"))
         for n, r in RUNS.items()}
-assert mixed.metrics["updated_fraction_compute"].tolist() == ds.metrics["updated_fraction_compute"].tolist()
-assert frac["FSDP aligned"][0] > 0.5  # the fp32 shard takes every update
-assert 0.15 < 1 - mixed.metrics["updated_fraction"].max() < 0.25  # unused embedding rows
-assert frac["FSDP low precision"][0] < 0.75 * frac["FSDP aligned"][1]  # fewer bf16 weights move
 for n, (f, fc) in frac.items():
     print(f"{n:20s} changed per step: {f:6.1%} of the optimizer's tensor, {fc:6.1%} of the bf16 weights")
+never = 1 - mixed.metrics["updated_fraction"].max()
+claim("about a fifth of the elements never change (between 15% and 25%: unused embedding rows)",
+      0.15 < never < 0.25, never_changed=never)
+claim("with fp32 shards every weight that has a gradient moves at every step (over half of all elements)",
+      frac["FSDP aligned"][0] > 0.5, aligned=frac["FSDP aligned"][0])
+claim("more of the bf16 weights change per step in the aligned run than in the low-precision run (by over a third)",
+      frac["FSDP low precision"][0] < 0.75 * frac["FSDP aligned"][1],
+      low_precision=frac["FSDP low precision"][0], aligned_bf16=frac["FSDP aligned"][1])
+claim("the aligned FSDP and DeepSpeed curves of the bf16 weights coincide, step for step",
+      mixed.metrics["updated_fraction_compute"].tolist() == ds.metrics["updated_fraction_compute"].tolist())
 
 # %% [markdown]
 # **What it shows.** With fp32 shards every weight that has a gradient moves at every step,
@@ -247,14 +254,16 @@ for n, r in RUNS.items():
 total = {n: sum(m for m, _ in per_param[n].values()) for n in NAMES}
 
 # %%
-assert abs(total["FSDP aligned"] / total["FSDP low precision"] - 2) < 0.05, total
-assert abs(total["FSDP low precision"] - 8) < 0.2 and abs(total["FSDP aligned"] - 16) < 0.4, total
-for n in NAMES:  # every category as the ZeRO model predicts, except DeepSpeed's params (below)
-    for c, (m, t) in per_param[n].items():
-        assert abs(m - t) < 0.05 * t + 0.01 or (n, c) == ("DeepSpeed ZeRO-3", "params"), (n, c, m, t)
+claim("low precision keeps 8 bytes per parameter and aligned FSDP 16: the upcast doubles the model state",
+      abs(total["FSDP low precision"] - 8) < 0.2 and abs(total["FSDP aligned"] - 16) < 0.4
+      and abs(total["FSDP aligned"] / total["FSDP low precision"] - 2) < 0.05, bytes_per_param=total)
+off_model = {f"{n}/{c}": (round(m, 2), t) for n in NAMES for c, (m, t) in per_param[n].items()
+             if abs(m - t) >= 0.05 * t + 0.01}
+claim("every category is within 5% of the ZeRO model, except DeepSpeed's params", list(off_model) ==
+      ["DeepSpeed ZeRO-3/params"], off_model=off_model)
 extra = per_param["DeepSpeed ZeRO-3"]["params"][0] - per_param["DeepSpeed ZeRO-3"]["params"][1]
-assert 0 < extra <= 2 * NPROC, extra
-print("total bytes per parameter: " + ", ".join(f"{n} {t:.1f}" for n, t in total.items()))
+claim(f"DeepSpeed holds more params than the model says (persistent whole weights), at most {2 * NPROC} bytes per "
+      "parameter more", 0 < extra <= 2 * NPROC, extra_bytes_per_param=extra)
 
 # %% [markdown]
 # Low precision keeps 8 bytes per parameter (bf16 params, grads and two Adam moments); the
@@ -292,7 +301,8 @@ print("total bytes per parameter: " + ", ".join(f"{n} {t:.1f}" for n, t in total
 
 # %%
 shipped = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
-assert shipped["gradient_clipping"] == 0.0 and shipped["zero_optimization"]["memory_efficient_linear"] is False
+claim("the shipped zero3.json says gradient_clipping 0.0 and memory_efficient_linear false",
+      shipped["gradient_clipping"] == 0.0 and shipped["zero_optimization"]["memory_efficient_linear"] is False)
 import torch  # noqa: E402
 
 if not GPUS:
@@ -306,9 +316,8 @@ for name, bias in (("zero bias", torch.zeros(32, dtype=torch.bfloat16)),
                    ("bias", torch.randn(32, generator=g).bfloat16())):
     ours, theirs = torch.nn.functional.linear(x, w, bias), zero3_linear_wrap(x, w, bias)
     lin_gap[name] = int((ours != theirs).sum())
-assert lin_gap["zero bias"] == 0 and lin_gap["bias"] > 0, lin_gap
-print(f"torch's linear vs ZeRO-3's on a bf16 [2, 16, 64] x [64, 32] layer: outputs differing with a zero bias "
-      f"{lin_gap['zero bias']}, with a bias {lin_gap['bias']} of {2 * 16 * 32}")
+claim(f"torch's linear and ZeRO-3's agree on a bf16 layer with a zero bias and part with a bias (outputs differing "
+      f"of {2 * 16 * 32})", lin_gap["zero bias"] == 0 and lin_gap["bias"] > 0, differing=lin_gap)
 
 # %% [markdown]
 # One default left implicit is enough to break parity: the same JSON without `gradient_clipping`.
@@ -352,11 +361,11 @@ right.legend()
 fig.tight_layout()
 
 # %%
-assert base["loss"].tolist()[:SHORT] == mixed_hi.summary["losses"][:SHORT]
-assert (base["grad_norm"] > 1.0).any(), "no step had a norm above 1: clipping did nothing"
-assert drift.iloc[0] == 0 and drift.iloc[-1] > 0, drift.tolist()
+claim("at this rate gradient norms exceed 1, so the default clip acts", (base["grad_norm"] > 1.0).any(),
+      max_norm=float(base["grad_norm"].max()))
+claim("step 0 is identical, and the runs are still apart at the last step", drift.iloc[0] == 0 and drift.iloc[-1] > 0,
+      first=float(drift.iloc[0]), last=float(drift.iloc[-1]), largest=float(drift.max()))
 clip_identical = ds_clip.summary["losses"] == fsdp_clip.summary["losses"]
-print(f"implicit clipping: identical first step, then up to {drift.max():.1e} apart in {SHORT} steps")
 print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
       "bit-identical" if clip_identical else f"max difference {clip_gap.max():.1e}")
 
@@ -412,18 +421,20 @@ from helpers import compare  # noqa: E402
 
 stall = compare.compare("notebooks/runs/02_trace_full_shard_low_precision", "notebooks/runs/02_trace_full_shard")
 t = stall.tensor
-assert stall.first_step == 1 and (t.step, t.stage, t.dtype_a, t.dtype_b) == (0, "update", "bf16", "fp32"), stall
-assert t.changed_a < t.changed_b / 2, (t.changed_a, t.changed_b)
+claim("stalling pair: the first tensor that differs is step 0's update, bf16 against fp32, and the losses part at "
+      "step 1", stall.first_step == 1 and (t.step, t.stage, t.dtype_a, t.dtype_b) == (0, "update", "bf16", "fp32"),
+      first_loss_step=stall.first_step, tensor=(t.step, t.stage, t.dtype_a, t.dtype_b))
+claim("far fewer elements changed in bf16 (under half)", t.changed_a < t.changed_b / 2, bf16=t.changed_a,
+      fp32=t.changed_b)
 clip = compare.compare("notebooks/runs/02_trace_high", "notebooks/runs/02_ds_implicit_clip")
 high = results.load_run("notebooks/runs/02_trace_high")
 first_clipped = int(high.metrics.loc[high.metrics["grad_norm"] > 1.0, "step"].min())
 c = clip.tensor
-assert (c.step, c.stage, c.dtype_a, c.dtype_b) == (first_clipped, "grad_reduced", "fp32", "fp32"), clip
-assert clip.first_step == first_clipped + 1, clip
-print(f"stalling pair: losses part at step {stall.first_step}; first tensor: step {t.step} {t.stage} of {t.param} "
-      f"({t.dtype_a} vs {t.dtype_b}), {t.changed_a} vs {t.changed_b} elements changed")
-print(f"implicit clipping: losses part at step {clip.first_step}; first tensor: step {c.step} {c.stage} "
-      f"({c.dtype_a} vs {c.dtype_b}), the first step with a norm above 1")
+claim("clipping breaker: the first tensor that differs is the reduced gradient, fp32 on both sides, of the first "
+      "step with a norm above 1; the losses part one step later",
+      (c.step, c.stage, c.dtype_a, c.dtype_b) == (first_clipped, "grad_reduced", "fp32", "fp32")
+      and clip.first_step == first_clipped + 1, tensor=(c.step, c.stage, c.dtype_a, c.dtype_b),
+      first_norm_above_1=first_clipped, first_loss_step=clip.first_step)
 
 # ### Gradient accumulation
 #
@@ -444,13 +455,16 @@ print(f"implicit clipping: losses part at step {clip.first_step}; first tensor: 
 # %%
 acc_f, acc_d = results.load_runs("notebooks/runs/02_accum_full_shard", "notebooks/runs/02_accum_zero3")
 acc_gap = (acc_f.metrics["loss"] - acc_d.metrics["loss"]).abs()
-assert acc_f.summary["tokens_per_step"] == acc_d.summary["tokens_per_step"] == 2 * mixed.summary["tokens_per_step"]
-assert acc_gap.iloc[0] == 0 and 0 < acc_gap.max() < 1e-3, acc_gap.tolist()
+claim("both backends see twice the tokens per step with --grad-accum 2",
+      acc_f.summary["tokens_per_step"] == acc_d.summary["tokens_per_step"] == 2 * mixed.summary["tokens_per_step"],
+      tokens_per_step=acc_f.summary["tokens_per_step"])
+claim("close, not bit for bit: the same first loss, then apart by more than 0 and under 1e-3",
+      acc_gap.iloc[0] == 0 and 0 < acc_gap.max() < 1e-3, largest_gap=float(acc_gap.max()))
 acc = compare.compare("notebooks/runs/02_accum_full_shard", "notebooks/runs/02_accum_zero3")
-assert (acc.tensor.step, acc.tensor.stage) == (0, "grad_reduced"), acc.report()  # local grads agree
-print(f"--grad-accum 2: same first loss, then up to {acc_gap.max():.1e} apart over {SHORT} steps (not bitwise); "
-      f"first differing tensor: step {acc.tensor.step} {acc.tensor.stage} "
-      f"({acc.tensor.differing} of {acc.tensor.total} parameters)")
+claim("the local gradients agree; the first tensors that differ are step 0's reduced gradients",
+      acc.tensor is not None and (acc.tensor.step, acc.tensor.stage) == (0, "grad_reduced"),
+      tensor=acc.report().splitlines()[0] if acc.tensor is None else (acc.tensor.step, acc.tensor.stage),
+      differing_params=None if acc.tensor is None else f"{acc.tensor.differing} of {acc.tensor.total}")
 
 # %% [markdown]
 # Close, but not bit for bit, although nothing is clipped. The two backends add the same
@@ -507,15 +521,17 @@ for name in SWEEP:
 family_table = pd.DataFrame(rows).set_index("family")
 print(family_table.to_string())
 broken = [n for n, row in family_table.iterrows() if not row["bit-identical"] and n not in KNOWN_EXCEPTIONS]
-assert not broken, f"not identical and not a known exception: {broken}"
+claim("every family swept is bit-identical under the shipped aligned pair, or a known exception listed with its "
+      "cause", not broken, not_identical_unexplained=broken)
 qwen = compare.compare("notebooks/runs/02_families_full_shard/qwen2", "notebooks/runs/02_families_default_linear/qwen2")
 llama_default = compare.compare("notebooks/runs/02_families_full_shard/llama",
                                 "notebooks/runs/02_families_default_linear/llama")
-assert qwen.first_step == 1 and (qwen.tensor.step, qwen.tensor.stage) == (1, "grad_local"), qwen.report()
-assert llama_default.identical and llama_default.tensor is None, llama_default.report()  # no biases: unaffected
-print(f"Qwen2 under DeepSpeed's default linear: losses part at step {qwen.first_step}; first tensor: "
-      f"step {qwen.tensor.step} {qwen.tensor.stage} ({qwen.tensor.dtype_a} vs {qwen.tensor.dtype_b}); "
-      f"Llama under it: identical {llama_default.identical}")
+claim("under DeepSpeed's default linear Qwen2 parts at step 1, first at the local gradient of step 1",
+      qwen.first_step == 1 and qwen.tensor is not None and (qwen.tensor.step, qwen.tensor.stage) == (1, "grad_local"),
+      first_loss_step=qwen.first_step, tensor=None if qwen.tensor is None else (
+          qwen.tensor.step, qwen.tensor.stage, qwen.tensor.dtype_a, qwen.tensor.dtype_b))
+claim("Llama, without biases, stays identical under the same default",
+      llama_default.identical and llama_default.tensor is None)
 
 # %% [markdown]
 # Every family swept is bit-identical under the shipped aligned pair, every weight, gradient

@@ -38,6 +38,7 @@
 # %%
 import json
 import os
+import re
 import statistics
 from argparse import Namespace
 from pathlib import Path
@@ -53,6 +54,7 @@ SIZE = nb.setup()  # "quick" under `make test`: the tiny model, shorter timing r
 GPUS = nb.gpu_count()
 NPROC = nb.nproc()
 MODEL, SEQ, BUDGET_GIB = ("small", 128, 0.32) if SIZE == "full" else ("tiny", 64, 0.015)
+BUCKET = 1_000_000 if SIZE == "full" else 100_000  # DeepSpeed's reduce_bucket_size for this model (below)
 TIME_BATCH, TIME_STEPS = 2, 4
 RUNS = Path("notebooks/runs")
 ARGS = f"--model {MODEL} --seq-len {SEQ} --steps 2"
@@ -69,8 +71,10 @@ print(f"size={SIZE}: model {MODEL}, seq {SEQ}, budget {BUDGET_GIB} GiB per rank,
 # shows the bytes): NO_SHARD = ZeRO-0 (DDP), SHARD_GRAD_OP ~ ZeRO-2, FULL_SHARD = ZeRO-3. Each
 # runs without and with activation checkpointing (`fsdp_activation_checkpointing: true`; the
 # shipped `full_shard_ac.yaml`, and two copies of the other configs with that one key added,
-# written into the runs folder). ZeRO-3 with CPU offload and DeepSpeed itself come after the
-# table.
+# written into the runs folder). DeepSpeed's ZeRO-3 runs too, from the shipped `zero3.json`
+# and `zero3_ac.json` (its `activation_checkpointing` section) with one key changed,
+# `reduce_bucket_size` set to `BUCKET` elements: why, the section after the table shows with
+# the default. ZeRO-3 with CPU offload comes there too.
 
 # %%
 CFG = RUNS / "08_configs"
@@ -79,11 +83,19 @@ for name in ("no_shard", "shard_grad_op"):
     doc = yaml.safe_load(Path(f"launch_configs/fsdp/{name}.yaml").read_text())
     doc["fsdp_config"]["fsdp_activation_checkpointing"] = True
     (CFG / f"{name}_ac.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+for name in ("zero3", "zero3_ac"):  # the shipped JSON, one key changed; a YAML next to it that points to it
+    doc = json.loads(Path(f"launch_configs/deepspeed/{name}.json").read_text())
+    doc["zero_optimization"]["reduce_bucket_size"] = BUCKET
+    (CFG / f"{name}_bucket.json").write_text(json.dumps(doc, indent=2))
+    (CFG / f"{name}_bucket.yaml").write_text(
+        f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {name}_bucket.json\n")
 METHODS = {  # label: (config without checkpointing, with)
     "NO_SHARD = ZeRO-0 (DDP)": ("launch_configs/fsdp/no_shard.yaml", str(CFG / "no_shard_ac.yaml")),
     "SHARD_GRAD_OP ~ ZeRO-2": ("launch_configs/fsdp/shard_grad_op.yaml", str(CFG / "shard_grad_op_ac.yaml")),
     "FULL_SHARD = ZeRO-3": ("launch_configs/fsdp/full_shard.yaml", "launch_configs/fsdp/full_shard_ac.yaml"),
+    "DeepSpeed ZeRO-3, small bucket": (str(CFG / "zero3_bucket.yaml"), str(CFG / "zero3_ac_bucket.yaml")),
 }
+FSDP_METHODS = list(METHODS)[:3]
 BUDGET = int(BUDGET_GIB * 2**30)
 
 
@@ -92,13 +104,11 @@ def estimate(config, micro_batch=1, budget=None):
                              budget_gib=budget))
 
 
-PLAN = {}  # run name: (label, checkpointing, config, micro-batch, predicted max)
+ROWS = {}  # row key: (label, checkpointing, config, predicted largest micro-batch)
 for label, configs in METHODS.items():
     for ac, config in zip((False, True), configs):
-        best = estimate(config, budget=BUDGET_GIB)["largest_micro_batch"]
         key = Path(configs[0]).stem + ("_ac" if ac else "")
-        for b in (best, best + 1) if best else (1,):  # nothing fits: batch 1 shows it
-            PLAN[f"{key}_b{b}"] = (label, ac, config, b, best)
+        ROWS[key] = (label, ac, config, estimate(config, budget=BUDGET_GIB)["largest_micro_batch"])
 state = {label: sum(estimate(c[0])["categories_per_rank"][0][k] for k in est.STATE) for label, c in METHODS.items()}
 print(pd.DataFrame({"state at rest, MiB per rank": {k: v / 2**20 for k, v in state.items()},
                     "share of the budget": {k: v / BUDGET for k, v in state.items()}}).round(2).to_string())
@@ -109,60 +119,52 @@ claim("the states are a real share of this budget: NO_SHARD's params, grads and 
 
 # %% [markdown]
 # That is why this model and budget: at a budget far above the states, the methods' different
-# states are a small part of it and activations decide; far below, nothing fits. Each job below
-# runs at the predicted largest micro-batch and at one more (at 1 where none is predicted to
-# fit), two steps, under `--memory-budget-gib`
-# (its last line is printed; a job over budget stops after step 1 with one `error:` line):
+# states are a small part of it and activations decide; far below, nothing fits. The estimator's
+# answer for each row:
 
 # %%
-os.environ["PLAN"] = " ".join(f"{name}:{cfg}:{b}" for name, (_, _, cfg, b, _) in PLAN.items())
-print(len(PLAN), "jobs")
-
-# %% language="bash"
-# for job in $PLAN; do
-#     IFS=: read -r name cfg batch <<< "$job"
-#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config $cfg --out notebooks/runs/08_$name \
-#         $ARGS --micro-batch $batch --memory-budget-gib $BUDGET > /dev/null 2>&1
-#     echo "$name: $(grep -E '^(done|error):' notebooks/runs/08_$name/log.txt | tail -n 1)"
-# done
+print(pd.DataFrame([{"row": k, "method": lab, "checkpointing": ac, "predicted largest micro-batch": best}
+                    for k, (lab, ac, _, best) in ROWS.items()]).to_string(index=False))
+os.environ["ROWS"] = " ".join(f"{key}:{cfg}:{best}" for key, (_, _, cfg, best) in ROWS.items())
 
 # %% [markdown]
-# A prediction can miss (the table at the end shows by how much), and a miss can be worth a
-# sequence. Where the predicted batch did not fit, the next cell runs one
-# less; where one more fit too, one more again (nothing to run when every prediction held):
+# Now the runs. Each row's first job runs at its predicted micro-batch (at 1 where none is
+# predicted to fit), two steps, under `--memory-budget-gib`; a job over budget stops after
+# step 1 with one `error:` line (each job's last line is printed). A prediction can miss, so the
+# cell then walks one sequence at a time toward the answer: up while the batch fits, down while
+# it does not, until a batch that fits sits next to one that does not (or batch 1 does not fit).
+# When the prediction is right, that is two jobs: the predicted batch and one more.
+
+# %% language="bash"
+# run() {  # run NAME CONFIG BATCH: one job, its last line
+#     rm -rf notebooks/runs/08_$1
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config $2 --out notebooks/runs/08_$1 \
+#         $ARGS --micro-batch $3 --memory-budget-gib $BUDGET > /dev/null 2>&1
+#     echo "$1: $(grep -E '^(done|error):' notebooks/runs/08_$1/log.txt | tail -n 1)"
+# }
+# fits() { grep -q '^done:' notebooks/runs/08_$1/log.txt; }
+# for row in $ROWS; do
+#     IFS=: read -r key cfg b <<< "$row"
+#     rm -rf notebooks/runs/08_${key}_b[0-9]*  # this row's runs from an earlier execution
+#     b=$(( b > 0 ? b : 1 ))
+#     run ${key}_b$b $cfg $b
+#     if fits ${key}_b$b; then
+#         while fits ${key}_b$b; do b=$((b + 1)); run ${key}_b$b $cfg $b; done
+#     else
+#         while [ $b -gt 1 ] && ! fits ${key}_b$b; do b=$((b - 1)); run ${key}_b$b $cfg $b; done
+#     fi
+# done
 
 # %%
 def summary(name):
     return json.loads((RUNS / f"08_{name}" / "summary.json").read_text())
 
 
-def step_to(name):
-    """The follow-up run for a row the first runs did not bracket (None: bracketed)."""
-    label, ac, config, b, best = PLAN[name]
-    if b != max(best, 1):
-        return None
-    key = name.rsplit("_b", 1)[0]
-    if best and not summary(name)["memory_budget_fits"]:
-        return f"{key}_b{best - 1}", (label, ac, config, best - 1, best)
-    if summary(f"{key}_b{best + 1}")["memory_budget_fits"] if best else False:
-        return f"{key}_b{best + 2}", (label, ac, config, best + 2, best)
-    return None
-
-
-MORE = dict(filter(None, (step_to(name) for name in PLAN)))
-PLAN.update(MORE)
-os.environ["MORE"] = " ".join(f"{name}:{cfg}:{b}" for name, (_, _, cfg, b, _) in MORE.items())
-print(f"{len(MORE)} follow-up jobs" + "".join(f"\n  {name}" for name in MORE))
-
-# %% language="bash"
-# for job in $MORE; do
-#     IFS=: read -r name cfg batch <<< "$job"
-#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config $cfg --out notebooks/runs/08_$name \
-#         $ARGS --micro-batch $batch --memory-budget-gib $BUDGET > /dev/null 2>&1
-#     echo "$name: $(grep -E '^(done|error):' notebooks/runs/08_$name/log.txt | tail -n 1)"
-# done
-
-# %%
+PLAN = {}  # run name: (label, checkpointing, config, micro-batch, predicted largest), from the run directories
+for key, (label, ac, config, best) in ROWS.items():
+    for d in RUNS.glob(f"08_{key}_b*"):
+        if re.fullmatch(rf"08_{key}_b(\d+)", d.name):
+            PLAN[d.name[3:]] = (label, ac, config, int(d.name.rsplit("_b", 1)[1]), best)
 RESULT = {name: summary(name) for name in PLAN}
 crashed = {n: s["reason"] for n, s in RESULT.items()
            if s["status"] != "completed" and "--memory-budget-gib" not in (s.get("reason") or "")}
@@ -229,17 +231,22 @@ if not GPUS:
     print(f"exact on {exact} of {len(TABLE)} rows")
 else:
     print("on a GPU the allocator's reserved memory sits above the tensors' peak: read the runs column")
-ns, sgo, fs = (int(ours[m]) for m in METHODS)
+ns, sgo, fs = (int(ours[m]) for m in FSDP_METHODS)
 claim("as in the seeds' tables, sharding buys batch: SHARD_GRAD_OP and FULL_SHARD each fit more than NO_SHARD, "
       "FULL_SHARD at least as much as SHARD_GRAD_OP", ns < sgo <= fs, no_shard=ns, shard_grad_op=sgo, full_shard=fs)
 claim("activation checkpointing fits more under every method that fits at all",
       all(with_ac[m] > ours[m] for m in METHODS if ours[m]), without=list(ours), checkpointed=list(with_ac))
+DS = list(METHODS)[-1]
+claim("DeepSpeed ZeRO-3 with a bucket sized for this model fits, but no more sequences than FULL_SHARD, with or "
+      "without checkpointing", 0 < ours[DS] <= fs and with_ac[DS] <= with_ac[FSDP_METHODS[-1]],
+      zero3=[int(ours[DS]), int(with_ac[DS])], full_shard=[fs, int(with_ac[FSDP_METHODS[-1]])])
 
 # %%
 ax = plots.plt.subplots(figsize=(8, 3.5))[1]
 x = range(len(METHODS))
-ax.bar([i - 0.2 for i in x], list(ours), 0.4, color=plots.COLORS["fsdp"], label="no checkpointing")
-ax.bar([i + 0.2 for i in x], list(with_ac), 0.4, color=plots.COLORS["fsdp"], alpha=0.5, hatch="//",
+colors = [plots.COLORS["fsdp" if m in FSDP_METHODS else "deepspeed"] for m in METHODS]
+ax.bar([i - 0.2 for i in x], list(ours), 0.4, color=colors, label="no checkpointing")
+ax.bar([i + 0.2 for i in x], list(with_ac), 0.4, color=colors, alpha=0.5, hatch="//",
        label="activation checkpointing")
 ax.set_xticks(list(x), [m.replace(" (", "\n(") for m in METHODS], fontsize=8)
 for i, (a, b) in enumerate(zip(ours, with_ac)):
@@ -249,7 +256,30 @@ ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUDGET_
 ax.legend();
 
 # %% [markdown]
-# ## ZeRO-3 with CPU offload, and DeepSpeed's own jobs
+# Why does ZeRO-3 fit fewer sequences than FULL_SHARD, with the same 16 bytes per parameter at
+# rest? The estimator's categories per rank at the same micro-batch (FSDP `params` are fp32;
+# DeepSpeed's are its bf16 shard, next to the fp32 `master_params`, notebook 02):
+
+# %%
+b = max(int(ours[DS]), 1)
+cats = {m: estimate(METHODS[m][0], micro_batch=b)["categories_per_rank"][0] for m in (FSDP_METHODS[-1], DS)}
+keys = ["params", "master_params", "grads", "optimizer_states", "comm_buckets", "gathered_unit", "activations"]
+print(f"micro-batch {b}, MiB per rank (rank 0)")
+print(pd.DataFrame({m: {k: c[k] / 2**20 for k in keys} for m, c in cats.items()}).round(1).to_string())
+rest = {m: sum(c[k] for k in est.STATE) for m, c in cats.items()}
+claim("at rest ZeRO-3 holds the same state bytes as FULL_SHARD (params, master, grads, optimizer states), or at "
+      "most 10% more: the small parameters it keeps whole on every rank (notebook 02)",
+      0 <= rest[DS] / rest[FSDP_METHODS[-1]] - 1 < 0.1, MiB={m: v / 2**20 for m, v in rest.items()})
+
+# %% [markdown]
+# At rest the two hold about the same bytes (the line above says how close). The difference
+# is when backward starts: FSDP has freed
+# its gradients after the last step (`zero_grad(set_to_none=True)`) and makes them again as
+# backward runs, while ZeRO-3 keeps its gradient partition (one flat buffer made at start-up)
+# and holds its bf16 shard next to the fp32 master, plus the bucket. Those bytes come off the
+# room left for activations, a sequence's worth or more here.
+#
+# ## ZeRO-3 with CPU offload, and DeepSpeed's defaults
 #
 # The seeds' GPT-XL row is ZeRO-3 with CPU offload: the states leave the GPU, so only the
 # working set counts against its memory. The estimator predicts that for a GPU (host bytes out
@@ -257,9 +287,10 @@ ax.legend();
 # tensors of the job, counted by `peak_tensor_bytes`, so offload cannot make that room here. One
 # run shows it: FULL_SHARD with `fsdp_offload_params` at the batch predicted for a GPU.
 #
-# DeepSpeed's shipped ZeRO-1/2/3 configs keep DeepSpeed's default `reduce_bucket_size` (5e8
-# elements): one contiguous gradient bucket per rank, allocated whole whatever the model's size.
-# One run: ZeRO-3 at micro-batch 1.
+# The table's DeepSpeed row changed one key of the shipped `zero3.json`. The shipped ZeRO-1/2/3
+# configs keep DeepSpeed's default `reduce_bucket_size` (5e8 elements): one contiguous gradient
+# bucket per rank, allocated whole whatever the model's size. One run: the shipped ZeRO-3 at
+# micro-batch 1.
 
 # %%
 fs_best = PLAN[next(n for n, p in PLAN.items() if p[2].endswith("fsdp/full_shard.yaml"))][4]  # predicted
@@ -292,7 +323,7 @@ claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1:
       "the budget, and the measured peak larger than the bucket", z3["memory_budget_fits"] is False
       and max(z3["peak_tensor_bytes"]) > bucket > BUDGET,
       measured_MiB=max(z3["peak_tensor_bytes"]) / 2**20, bucket_MiB=bucket / 2**20, budget_MiB=BUDGET / 2**20)
-FS = list(METHODS)[-1]  # FULL_SHARD's row
+FS = FSDP_METHODS[-1]  # FULL_SHARD's row
 fs_name = next(n for n, p in PLAN.items() if p[0] == FS and not p[1] and p[3] == ours[FS])
 claim("so here ZeRO-3 at micro-batch 1 needs more memory than FULL_SHARD at its largest batch",
       max(z3["peak_tensor_bytes"]) > max(RESULT[fs_name]["peak_tensor_bytes"]),
@@ -302,9 +333,10 @@ claim("so here ZeRO-3 at micro-batch 1 needs more memory than FULL_SHARD at its 
 # %% [markdown]
 # On a small model, then, DeepSpeed's defaults can need more memory than FSDP: the bucket is
 # sized for billions of parameters. Lower `reduce_bucket_size` (and `allgather_bucket_size`
-# on ZeRO-1/2) in the JSON when the model is small next to 5e8 elements; the estimator counts the
-# bucket, so `python -m helpers.estimate --config launch_configs/deepspeed/zero3.yaml ...` shows
-# it before a run does.
+# on ZeRO-1/2) in the JSON when the model is small next to 5e8 elements, as the table's DeepSpeed
+# row did (`BUCKET` elements); the estimator counts the bucket, so
+# `python -m helpers.estimate --config launch_configs/deepspeed/zero3.yaml ...` shows it before a
+# run does.
 #
 # ## Activation checkpointing: bytes, losses, cost
 #
@@ -447,7 +479,8 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   spread printed at the end, so a close row can move by a sequence in another run.
 # * As in the seeds' tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more than
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
-#   sequence at all.
+#   sequence at all. DeepSpeed ZeRO-3, with its gradient bucket sized for this model, fit too,
+#   no more than FULL_SHARD: it keeps its gradient partition and a bf16 shard through backward.
 # * On one RAM, offload did not fit the batch the estimator predicts for a GPU. DeepSpeed's
 #   default gradient bucket (the estimator's count of the config's 5e8 elements) is larger than
 #   this budget, and ZeRO-3's measured peak at batch 1 larger still: it did not fit batch 1.

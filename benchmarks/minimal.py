@@ -4,8 +4,8 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/minimal.py --backend deepspeed --out /tmp/min.json
 
 Same model (helpers.models preset, same seed), same data (helpers.models.synthetic_batch),
-same optimizer (torch AdamW, foreach=False) and precision as the harness's configs, written
-out by hand: no config parsing, no probes, no guard, no run directory. Rank 0 writes the wall
+same optimizer (torch AdamW, foreach=False), precision and FSDP units as the harness's configs,
+written out by hand: no config parsing, no probes, no guard, no run directory. Rank 0 writes the wall
 time of each loop iteration (batch, forward, backward, optimizer step, loss to the host) to
 ``--out`` as JSON. Not a test; CPU and GPU alike.
 """
@@ -34,8 +34,12 @@ def fsdp_model(model, dtype, device):
     if dtype == torch.bfloat16:  # aligned mode: fp32 shards, bf16 compute (launch_configs/fsdp/full_shard.yaml)
         model.float()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    # the units accelerate launch makes under FSDP2 (helpers.wrap.plan), written out: each decoder block, the
+    # input embedding (resharded after forward), the final norm with the output layer (kept), then the root
     for block in decoder_layers(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model.get_input_embeddings(), mesh=mesh, mp_policy=mp)
+    fully_shard([model.model.norm, model.get_output_embeddings()], mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 

@@ -30,17 +30,28 @@ one ``error:`` line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from . import safeload
 
 TARGETS = ("fsdp", "deepspeed", "hf")
+
+
+@contextlib.contextmanager
+def single_process_dcp():
+    """dcp.load/save with ``no_dist=True`` still warn that torch.distributed is uninitialized and that they
+    "assume the intent" of one process: that is this converter's intent, so the warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def read_consolidated(src: str | os.PathLike, meta: dict) -> dict:
@@ -55,7 +66,8 @@ def read_consolidated(src: str | os.PathLike, meta: dict) -> dict:
         import torch.distributed.checkpoint as dcp
 
         reader, planner = safeload.dcp_reader_and_planner(p / "dcp", empty=True)
-        dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+        with single_process_dcp():
+            dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
         state = planner.original_state_dict  # the planner built it from the checkpoint's metadata
     else:
         state = read_deepspeed(p / "ds" / "ds", meta)
@@ -280,7 +292,8 @@ def convert(src: str, dst: str, to: str) -> dict:
 
             # what torch_save_to_dcp does after reading its input file (FileSystemWriter, no_dist), without
             # first writing the whole state to a temporary state.pt: the same files, half the bytes written
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / "dcp")), no_dist=True)
+            with single_process_dcp():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / "dcp")), no_dist=True)
             fmt = "sharded"
         else:
             torch.save(state, tmp / "full.pt")

@@ -24,6 +24,7 @@ rank 0 naming the rank, and a failed ``summary.json`` (see helpers.guard).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import socket
@@ -315,7 +316,8 @@ def connect(s: JobState) -> None:
         import deepspeed
 
         _quiet_deepspeed(s.rank)
-        deepspeed.init_distributed(dist_backend=s.dist_backend, timeout=timeout)
+        with _without_build_line():
+            deepspeed.init_distributed(dist_backend=s.dist_backend, timeout=timeout)
     device = s.summary["device"]
     s.run.start({**s.resolved, "world_size": s.world_size, "device": device, "dist_backend": s.dist_backend,
                  "out": s.args.out})
@@ -558,6 +560,21 @@ def apply_backend(model, job, device):
     from .backends.deepspeed import apply_deepspeed
 
     return apply_deepspeed(model, job, device)
+
+
+@contextlib.contextmanager
+def _without_build_line():
+    """DeepSpeed prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank
+    whenever it loads its shared-memory op, built now or long ago; anything else it prints goes through."""
+    import io
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    finally:
+        kept = [ln for ln in out.getvalue().splitlines(keepends=True) if not ln.endswith("built successfully\n")]
+        sys.stdout.write("".join(kept))
 
 
 def _quiet_deepspeed(rank: int) -> None:

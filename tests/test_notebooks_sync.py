@@ -67,8 +67,6 @@ def stale_reasons(cell) -> list[str]:
     return why
 
 
-@pytest.mark.xfail(strict=False, reason="the committed notebooks predate this session's code changes; the one "
-                   "full-size `make notebooks` pass (issue 13) makes this hold, and then the mark goes")
 @pytest.mark.parametrize("py", NOTEBOOKS, ids=lambda p: p.name)
 def test_outputs_come_from_one_run_of_the_current_source(py):
     """Every code cell ran once, in order, in one session (execution counts 1..n), no cell failed, and no

@@ -179,7 +179,8 @@ _TOP_READ = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_co
 
 # Why a key Accelerate accepts has no effect here; the job logs one `note:` line per such key that asks for
 # something (a value other than false / "no" / empty). By key, then by section, then by prefix.
-_LAUNCHER = "read by accelerate launch to start the processes; here torchrun (or helpers.launch) starts them"
+LAUNCHER_ONLY = "read by accelerate launch to start the processes; here torchrun (or helpers.launch) starts them"
+_LAUNCHER = LAUNCHER_ONLY
 _TPU = "a TPU setting; this guide runs on CPUs (gloo) and CUDA GPUs (nccl)"
 _NO_EFFECT_KEY = {
     **dict.fromkeys(["compute_environment", "num_processes", "num_machines", "machine_rank", "main_process_ip",

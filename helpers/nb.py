@@ -38,6 +38,7 @@ def setup(default_size: str = "full") -> str:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no per-rank "Loading weights" bars in outputs
+    os.environ.setdefault("GUIDE_PROGRESS", "0")  # a job's step lines are its progress here; no bar lines in outputs
     global ROOT
     ROOT = find_root(Path.cwd())  # a notebook in work/notebooks/ runs from work/: runs land there
     os.chdir(ROOT)  # launch commands use repo-relative paths, like the README

@@ -116,7 +116,7 @@ def default_observers(s: JobState) -> Observers:
     traces = [TensorTraces()] if s.args.trace_tensors else []
     peak = TensorPeak()
     return Observers([Throughput(), Loading(), Memory(), peak, MemoryBudget(peak, s.args.memory_budget_gib), Dtypes(),
-                      Updates(enabled=s.args.track_updates), Profiler(), *traces, Checkpoints(), ProgressLog()])
+                      Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(), Checkpoints()])
 
 
 # ---------------------------------------------------------------------------------------------- the measurements
@@ -369,8 +369,9 @@ class Updates(Observer):
 
     def on_train_begin(self, s):
         if not self.enabled:
+            # not asked for: said in log.txt only (every job without --track-updates would print it)
             s.run.log("note: updated_fraction not tracked (null in metrics.jsonl): it copies every shard each step; "
-                      "pass --track-updates")
+                      "pass --track-updates", echo=False)
             return
         from .precision import UpdateTracker
 

@@ -235,10 +235,9 @@ def main(argv=None) -> int:
 
 def validate(args: argparse.Namespace) -> JobState:
     """Every input checked before any process group or file exists; bad input exits 2 (fail_config)."""
-    if args.profile:
-        from .profiling import quiet_cpp_warnings
+    from .profiling import quiet_cpp_warnings
 
-        quiet_cpp_warnings()  # before torch is imported
+    quiet_cpp_warnings()  # before torch is imported: the tensor-peak profiler (every CPU job) and --profile
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     from .config import load_job_config
     from .guard import JobGuard
@@ -323,11 +322,12 @@ def connect(s: JobState) -> None:
                  "out": s.args.out})
     s.run.log(f"[{job.backend}] {s.summary['mode']} mixed_precision={job.mixed_precision} "
               f"world_size={s.world_size} device={device} ({s.dist_backend})")
-    from .config import unapplied_notes
+    from .config import LAUNCHER_ONLY, unapplied_notes
 
     for note in job.notes + unapplied_notes(job) + (
             [f"filled DeepSpeed 'auto': {', '.join(s.ds_filled)}"] if s.ds_filled else []):
-        s.run.log(f"note: {note}")
+        # keys for accelerate launch's own process start (every shipped YAML has three): log.txt only
+        s.run.log(f"note: {note}", echo=not note.endswith(LAUNCHER_ONLY))
 
 
 def build(s: JobState) -> None:

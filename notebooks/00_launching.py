@@ -18,8 +18,9 @@
 #
 # **The question.** You have a training job under PyTorch FSDP and want to move it to
 # DeepSpeed ZeRO (or back). Before anything else: can the two backends train *the same
-# model on the same data* and produce *the same losses*? If they can, every difference
-# you see later (memory, speed, checkpoints) is a property of the backend, not noise.
+# model on the same data* and produce *the same losses*? If they can, a difference you
+# see later in memory or checkpoints belongs to the backend, not to the training; a speed
+# difference, only once repeated step times show it above this machine's noise (notebook 07).
 #
 # **What we run.** Two real distributed jobs, launched with `torchrun` from `%%bash` cells:
 #
@@ -30,6 +31,7 @@
 # side, and a check that they are equal step for step.
 
 # %%
+import math
 import os
 from pathlib import Path
 
@@ -141,13 +143,14 @@ claim("the model learns: the final loss is over 0.5 below the first", fsdp.summa
 # 3e-3 from the first step, with no warm-up. The data are arithmetic progressions modulo 97
 # (`helpers.models`), so the model only has to learn which 97 of its 1000 token ids occur
 # (a loss near ln 97 = 4.57) and then the progressions; once it has pushed the other ids
-# down, one Adam step at 3e-3 overshoots and gives some of that probability back. The same
-# job at a third of the rate shows no such jump:
+# down, one Adam step at 3e-3 overshoots and gives some of that probability back (our reading:
+# the run below tests the rate, not the mechanism). The same job at a third of the rate, for the
+# same number of steps, passes that loss without a jump:
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
 #     --config launch_configs/fsdp/full_shard.yaml --out notebooks/runs/00_fsdp_lr1e-3 \
-#     --model tiny --steps 12 --lr 1e-3 | tail -n 1
+#     --model tiny --steps $STEPS --lr 1e-3 | tail -n 1
 
 # %%
 m = fsdp.metrics.set_index("step")
@@ -156,9 +159,10 @@ print(m.loc[8:10, ["loss", "grad_norm"]].round(3).to_string())
 if NPROC == 2:  # where the bump falls depends on the data each rank draws: seed 0 on 2 ranks puts it at step 9
     claim("at lr 3e-3 the loss jumps at step 9 (by over 0.3, gradient norm over 10) and is back at step 10",
           m.loss[9] > m.loss[8] + 0.3 and m.grad_norm[9] > 10 and m.loss[10] < m.loss[8] + 0.05,
-          loss_8_9_10=m.loss[8:10].round(3).tolist(), grad_norm_9=m.grad_norm[9])
+          loss_8_9_10=m.loss.loc[8:10].round(3).tolist(), grad_norm_9=m.grad_norm[9])
 rise = slow.loss.diff().max()
-claim("at lr 1e-3 no step raises the loss by more than 0.1", rise < 0.1, largest_rise=rise)
+claim(f"at lr 1e-3 no step raises the loss by more than 0.1, and the run passes ln 97 = {math.log(97):.2f} on the way",
+      rise < 0.1 and slow.loss.min() < math.log(97), largest_rise=rise, lowest=slow.loss.min())
 
 # %% [markdown]
 # ## When the config is wrong
@@ -168,7 +172,7 @@ claim("at lr 1e-3 no step raises the loss by more than 0.1", rise < 0.1, largest
 
 # %%
 Path("notebooks/runs").mkdir(parents=True, exist_ok=True)
-Path("notebooks/runs/typo.yaml").write_text(
+_ = Path("notebooks/runs/typo.yaml").write_text(
     "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_reshard_after_foward: true\n"
 )
 
@@ -192,6 +196,9 @@ for r in (fsdp, ds):
 #   loss at every step.
 # * The run directory (`config.json`, `metrics.jsonl`, `summary.json`, `log.txt`) is what
 #   every later notebook reads.
+# * The step times above are one run each on a shared CPU: not a speed comparison of the
+#   backends (notebook 07 compares them with repeated steps and says when a difference is
+#   above the noise).
 #
 # Next: `01_sharding` — what each rank actually holds under each FSDP strategy and ZeRO stage.
 

@@ -45,7 +45,8 @@ FAMILIES: dict[str, tuple[dict, str]] = {
              "biases everywhere (Conv1D), LayerNorm, tied, learned positions"),
     "gpt_neox": ({"model_type": "gpt_neox", **_W, "tie_word_embeddings": False},
                  "biases (nn.Linear), parallel residual, partial rotary"),
-    "starcoder2": ({"model_type": "starcoder2", **_W, "num_key_value_heads": 2, "use_bias": True},
+    "starcoder2": ({"model_type": "starcoder2", **_W, "num_key_value_heads": 2, "use_bias": True,
+                    "bos_token_id": 0, "eos_token_id": 0},  # its defaults (50256) lie outside our 128-token vocab
                    "biases (nn.Linear), GQA, LayerNorm"),
 }
 

@@ -134,6 +134,8 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, seed: int, device: str | to
         model = AutoModelForCausalLM.from_config(model_config(spec), dtype=torch.float32)
         model.to(dtype)  # "loaded in dtype": params and buffers, like a bf16 checkpoint
     model.config.use_cache = False
+    if getattr(model, "loss_type", "") is None:  # GPT-2's class names no loss: the causal-LM loss transformers
+        model.loss_type = "ForCausalLM"  # falls back to anyway, said here instead of warned about in every job
     return model.to(device)
 
 

@@ -102,7 +102,8 @@ def memory_vs_world(table, modes, ax=None, unit: float = 2**20):
         line = "-" if mode in ("full_shard", "zero3") else ":"
         ax.plot(g.index, g.measured, ls=line, label=f"{mode} (measured)", **style)
         ax.plot(g.index, g.theory, ls="--", lw=0.8, color="gray")
-    ax.set(xlabel="ranks", ylabel="MiB per rank", title="per-rank state vs ranks (gray dashes: ZeRO model)")
+    ax.set(xlabel="ranks", ylabel="MiB per rank",
+           title="per-rank state vs ranks\n(gray dashes: ZeRO model, hidden where the lines agree)")
     ax.set_xticks(sorted(set(table.world_size)))
     ax.legend(fontsize=8)
     return ax

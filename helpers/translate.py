@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {n}", file=sys.stderr)
     if args.out:
         print(f"wrote {args.out}" + (f" and {Path(args.out).with_suffix('.json')}" if t.json else "")
-              + (" (exact)" if t.exact else f" ({len(t.warnings)} warnings)"))
+              + (" (exact)" if t.exact else f" ({len(t.warnings)} warning{'s' if len(t.warnings) != 1 else ''})"))
     else:
         name = Path(args.config).stem + f"_{args.to}"
         data = dict(t.yaml)

@@ -74,6 +74,21 @@ def plot_memory(runs: list[results.Run], fig) -> None:
     plots.loss_curves(runs, ax=right)
 
 
+def plot_loading(runs: list[results.Run], fig) -> None:
+    """Each run's peak memory while loading the model (RssAnon above the start), per rank (notebook 05)."""
+    from . import plots
+
+    ax = fig.subplots()
+    width = 0.8 / max(len(runs), 1)
+    for i, r in enumerate(runs):
+        ld = r.summary["loading"]
+        peaks = [x["peak_rss_anon_bytes"] / 2**20 for x in ld["ranks"]]
+        ax.bar([k + i * width for k in range(len(peaks))], peaks, width, label=ld["method"],
+               color=plots.COLORS[r.backend], hatch="//" if ld["method"] == "naive" else None, edgecolor="white")
+    ax.set(xlabel="rank", ylabel="peak while loading, MiB", title="loading: peak per rank")
+    ax.legend()
+
+
 def plot_locations(runs: list[results.Run], fig) -> None:
     """Where rank 0's state lives (device, host, disk), one bar per run (notebook 03)."""
     from . import plots

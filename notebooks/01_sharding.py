@@ -66,7 +66,9 @@ pd.DataFrame(mapping.mapping_rows()).set_index("mode")
 # The memory model (ZeRO paper) for Adam in bf16 mixed precision: per parameter, **2**
 # bytes of bf16 weights + **2** of bf16 gradients + **12** of optimizer state (an fp32
 # master copy, and fp32 momentum and variance) = 16 bytes. Each stage divides more of it
-# by the number of ranks.
+# by the number of ranks. That is DeepSpeed's split; FSDP's aligned mode (Accelerate's) holds
+# the same 16 bytes as 4 of fp32 weights, 4 of fp32 gradients and 8 of moments, with no
+# separate master. The `theory` column below follows each backend's own split.
 #
 # ## Run every mode
 #
@@ -85,12 +87,13 @@ print(f"{len(plan)} jobs")
 
 # %% [markdown]
 # Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a
-# 2-core CPU machine they share cores: slow, but the bytes are what 4 GPUs would hold.
+# 2-core CPU machine they share cores: slow, but each rank holds its 1/4 as a 4-GPU job's
+# rank would (the sharding arithmetic is the same; not run on GPUs here).
 
 # %% language="bash"
 # set -o pipefail
 # while read ws cfg out; do
-#     printf '%d ranks  %-42s ' "$ws" "$cfg"
+#     printf 'ranks=%d  %-42s ' "$ws" "$cfg"
 #     torchrun --standalone --nproc_per_node "$ws" -m helpers.train --config "$cfg" --out "$out" $JOB | tail -n 1
 # done < notebooks/runs/01_plan.txt
 
@@ -113,7 +116,8 @@ fig.tight_layout()
 
 # %% [markdown]
 # The bars meet their ticks. The check: each category, on each rank, of each run, within
-# 5% of the model (padding of uneven shards is the only difference) — with one exception
+# 5% of the model (the small differences: padding of uneven shards, Adam's per-parameter step
+# counters) — with one exception
 # the measurement found, checked separately below.
 
 # %%
@@ -181,8 +185,9 @@ if "zero2" in sweep_modes:
 # * **DeepSpeed** keeps the model in bf16 and shards the bf16 weights and gradients, and
 #   keeps a separate **fp32 master** partition for the optimizer.
 #
-# Both pay the upcast (the seeds' "up to 2x" for parameters): FSDP in its params, DeepSpeed
-# in its master copy. At rest the totals are equal.
+# Both pay the upcast (the seeds' "up to 2x" for parameters): FSDP in its fp32 params and
+# gradients, DeepSpeed in its fp32 master copy (its params and gradients stay bf16). At rest
+# the totals are equal.
 
 # %%
 ws = 2
@@ -195,22 +200,26 @@ split.round(1)
 claim("FULL_SHARD and ZeRO-3 hold the same total (within 1%)",
       abs(split.loc["total", "full_shard"] / split.loc["total", "zero3"] - 1) < 0.01,
       full_shard_MiB=split.loc["total", "full_shard"], zero3_MiB=split.loc["total", "zero3"])
-claim("FSDP keeps no separate master and twice DeepSpeed's param bytes (fp32 shards vs bf16 shards + fp32 master)",
-      split.loc["master_params", "full_shard"] == 0 and split.loc["master_params", "zero3"] > 0
-      and abs(split.loc["params", "full_shard"] / split.loc["params", "zero3"] - 2) < 0.01,
-      params_ratio=split.loc["params", "full_shard"] / split.loc["params", "zero3"])
+claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient bytes (fp32 shards vs bf16 shards "
+      "+ fp32 master)", split.loc["master_params", "full_shard"] == 0 and split.loc["master_params", "zero3"] > 0
+      and abs(split.loc["params", "full_shard"] / split.loc["params", "zero3"] - 2) < 0.01
+      and abs(split.loc["grads", "full_shard"] / split.loc["grads", "zero3"] - 2) < 0.01,
+      params_ratio=split.loc["params", "full_shard"] / split.loc["params", "zero3"],
+      grads_ratio=split.loc["grads", "full_shard"] / split.loc["grads", "zero3"])
 
 # %% [markdown]
 # Two more differences the bars show:
 #
 # * **ZeRO-1 vs ZeRO-2.** DeepSpeed's ZeRO-1 reduces gradients into per-rank partitions at
-#   the step, so just before the step it holds the same as ZeRO-2. What ZeRO-1 does not
-#   save is the *full* gradient during backward (and across accumulation micro-batches);
-#   ZeRO-2 reduces bucket by bucket as backward runs.
+#   the step, so just before the step it holds the same as ZeRO-2. By design, ZeRO-1 does not
+#   save the *full* gradient during backward (and across accumulation micro-batches); ZeRO-2
+#   reduces bucket by bucket as backward runs. That is transient memory: the bars above are
+#   measured before the step, where the two match (the process peaks at the end of this
+#   notebook include it, among everything else a process holds).
 # * **SHARD_GRAD_OP vs FULL_SHARD.** Identical at rest. The difference is in between:
 #   SHARD_GRAD_OP keeps each unit's gathered weights from forward until its backward
-#   (no second all-gather), FULL_SHARD frees them and gathers again. That is transient
-#   memory, not state, and the prefetch notebook measures it.
+#   (no second all-gather), FULL_SHARD frees them and gathers again. That too is transient;
+#   notebook 08 counts it per rank (`peak_tensor_bytes`), with the batch it costs.
 #
 # The identity from notebook 00 holds at every world size we ran on the CPU (gloo). Under
 # nccl beyond 2 ranks the two backends may sum in another order (`nb.bitwise_parity_expected`;
@@ -231,7 +240,7 @@ for ws in sorted(set(mem.world_size)):
 # The mapping's "=" is about what is sharded, not about the arithmetic. `NO_SHARD` and ZeRO-0
 # shard the same thing (nothing), but here they do not train bit-identically: DeepSpeed runs
 # ZeRO-0 in bf16 through a separate optimizer wrapper (`BF16_Optimizer`) instead of its ZeRO
-# code, and its gradient norm already differs at step 0, in the last digits. We have not traced
+# code, and its gradient norm already differs at step 0 (both printed below). We have not traced
 # which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
 # helpers.compare RUN_A RUN_B` names the first step (notebook 02 shows it). ZeRO-1 and ZeRO-2,
 # on the same ZeRO code as ZeRO-3, do match FSDP:
@@ -239,7 +248,8 @@ for ws in sorted(set(mem.world_size)):
 # %%
 at2 = {r.summary["mode_key"]: r.summary for r in runs if r.summary["world_size"] == 2}
 norm0 = {r.summary["mode_key"]: float(r.metrics.grad_norm.iloc[0]) for r in runs if r.summary["world_size"] == 2}
-claim("at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD train exactly as FULL_SHARD does",
+claim(f"at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD train exactly as FULL_SHARD does (the {len(at2['full_shard']['losses'])} "
+      "steps of these runs)",
       all(at2[k]["losses"] == at2["full_shard"]["losses"] for k in ("zero1", "zero2", "no_shard")),
       final={k: at2[k]["final_loss"] for k in ("full_shard", "no_shard", "zero1", "zero2")})
 claim("ZeRO-0 does not: its losses differ from NO_SHARD's", at2["zero0"]["losses"] != at2["no_shard"]["losses"],
@@ -249,9 +259,11 @@ claim("ZeRO-0 does not: its losses differ from NO_SHARD's", at2["zero0"]["losses
 # %% [markdown]
 # ## What it buys: the largest micro-batch in a memory budget
 #
-# The seeds report DDP fitting batch 8 and ZeRO-2 batch 40 on 24 GB cards. The same
-# question, for our model: per rank, the state above plus activations per sequence must
-# fit the budget. Activations per sequence are measured too (bytes autograd saves for
+# The seeds (the write-ups this guide grew from; their tables are in notebook 08) report
+# DDP fitting batch 8 and ZeRO-2 batch 40 on 24 GB cards. The same question, for our model,
+# in its simplest form: per rank, the state above plus activations per sequence must fit the
+# budget. This leaves out everything transient (gathered units, buckets, the optimizer step)
+# and the process itself; notebook 08 adds those and confirms its answers with runs. Activations per sequence are measured too (bytes autograd saves for
 # backward in one forward, `activation_bytes_per_sample`). On this CPU we **compute** the
 # answer from those measurements; on a GPU you would also find it by trying until OOM.
 
@@ -278,15 +290,18 @@ claim(f"at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences t
 #
 # `peak_memory_bytes` is the process's peak anonymous memory (`RssAnon`, sampled after
 # each forward, backward and step; on a GPU, `torch.cuda.max_memory_allocated`). On a
-# CPU it is dominated by what every torch process holds (libraries, allocator caches):
-# the state of a 21M-parameter model is a small part of it, which is why the state is
-# counted tensor by tensor above.
+# CPU it includes what every torch process holds (libraries, allocator caches), so the
+# state of a 21M-parameter model is only part of it (the share is printed below), which is
+# why the state is counted tensor by tensor above.
 
 # %%
 peaks = pd.DataFrame([{"mode": r.summary["mode_key"], "ranks": r.summary["world_size"],
                        "peak MiB (max over ranks)": max(r.summary["peak_memory_bytes"]) / 2**20,
                        "state MiB (rank 0)": sum(r.summary["memory_bytes"][0].values()) / 2**20}
                       for r in runs if r.summary["world_size"] == 2]).set_index("mode").round(0)
+share = peaks["state MiB (rank 0)"] / peaks["peak MiB (max over ranks)"]
+claim("the state is under half of the process's peak in every run here", (share < 0.5).all(),
+      state_over_peak=share.round(2).to_dict())
 peaks
 
 # %% [markdown]
@@ -301,14 +316,16 @@ recap
 # %% [markdown]
 # * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3,
 #   `HYBRID_SHARD` ~ ZeRO++ hpZ; ZeRO-1 has no FSDP twin. "=" is about what is sharded:
-#   FULL_SHARD, NO_SHARD, ZeRO-1/2/3 trained identically here, ZeRO-0 (bf16) did not.
+#   FULL_SHARD, NO_SHARD, ZeRO-1/2/3 trained identically over these short runs, ZeRO-0
+#   (bf16) did not.
 # * Every measured category was within 5% of the ZeRO model, on every rank, except ZeRO-1/2
 #   gradients: up to two boundary parameters' whole gradients on top of the 1/N slice.
 # * Fully sharded state at 4 ranks is a quarter of 1 rank's.
 # * FSDP (aligned) and DeepSpeed hold the same total but split it differently: fp32
-#   shards vs bf16 shards + fp32 master.
+#   shards and gradients vs bf16 shards and gradients + fp32 master.
 #
-# Next: `02_precision` — why that split made the seeds' FSDP run stall.
+# Next: `02_precision` — why the seeds' FSDP run stalled when it trained without that fp32
+# copy (bf16 weights and optimizer state), and what each fix costs.
 
 # %% [markdown]
 # ## Appendix: the rest of a config, key by key

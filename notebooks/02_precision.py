@@ -120,10 +120,10 @@ claim(f"at lr {LR} the aligned run trains (loss drop over 0.02) and the low-prec
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
 #     --config launch_configs/fsdp/full_shard_low_precision.yaml --out notebooks/runs/02_low_scaled \
-#     $ARGS --steps $STEPS --lr $LR_SCALED | tail -n 1
+#     $ARGS --steps $STEPS --lr $LR_SCALED --track-updates | tail -n 1
 # for mode in fsdp/full_shard_low_precision fsdp/full_shard; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$mode.yaml \
-#         --out notebooks/runs/02_high_$(basename $mode) $ARGS --steps $STEPS --lr $LR_HIGH | tail -n 1
+#         --out notebooks/runs/02_high_$(basename $mode) $ARGS --steps $STEPS --lr $LR_HIGH --track-updates | tail -n 1
 # done
 
 # %%
@@ -139,11 +139,13 @@ fig.tight_layout()
 
 # %% [markdown]
 # **What each fix does.** Multiplying the rate moves the low-precision run, because bigger
-# steps survive bf16 rounding for more weights; but the factor has nothing to do with the
+# steps survive bf16 rounding for more weights (the share of its bf16 weights that change per
+# step is printed below, with section 4's count); but the factor has nothing to do with the
 # number of ranks (it happened to be enough on the seeds' 4 GPUs), and it is a different
 # training run from the aligned one, not the same one made to work. A much larger rate for
-# everyone makes most updates larger than bf16's rounding step, so both modes train and the
-# gap mostly closes: the stall hides, ready to return when a schedule decays the rate.
+# everyone makes more updates larger than bf16's rounding step, so both modes train and the
+# gap mostly closes: the stall hides (a schedule that decays the rate back toward section 1's
+# would meet it again; not run here).
 # The fix that keeps the rate is the aligned mode (fp32 shards), at the memory cost of section 5.
 
 # %%
@@ -153,6 +155,10 @@ claim(f"fix 1 moves the low-precision run: at lr {LR_SCALED} its drop is over 1.
       drop_aligned=drops["FSDP aligned"])
 claim(f"fix 2 mostly closes the gap: at lr {LR_HIGH} low precision gets over half the aligned drop",
       d_low_hi > 0.5 * d_mixed_hi, drop_low=d_low_hi, drop_aligned=d_mixed_hi, share=d_low_hi / d_mixed_hi)
+moved = {lr: float(r.metrics["updated_fraction"].iloc[5:].mean()) for lr, r in ((LR, low), (LR_SCALED, scaled),
+                                                                                (LR_HIGH, low_hi))}
+claim("the larger the rate, the more of the low-precision run's bf16 weights change per step",
+      moved[LR] < moved[LR_SCALED] < moved[LR_HIGH], changed_per_step_by_lr=moved)
 
 # %% [markdown]
 # ## 3 · Which dtype each stage used, read from the live jobs
@@ -286,14 +292,16 @@ claim(f"DeepSpeed holds more params than the model says (persistent whole weight
 # * **ZeRO-3's linear.** With `zero_optimization.memory_efficient_linear` at its default
 #   (`true`), ZeRO-3 replaces `torch.nn.functional.linear`, for the whole process, with its own
 #   (`deepspeed/runtime/zero/linear.py`), which computes `input @ weight.T` in bf16 and then adds
-#   the bias, a second bf16 rounding; torch's linear adds the bias inside the matmul. Layers
-#   with biases (Qwen2's q/k/v projections, GPT-NeoX, StarCoder2) then part from FSDP from
-#   step 1 (biases start at zero, so step 0 agrees); bias-free Llama does not notice. The
+#   the bias, a second bf16 rounding; torch's linear adds the bias inside the matmul. A model
+#   with biased linears (Qwen2's q/k/v projections; GPT-NeoX and StarCoder2 have them too)
+#   then parts from FSDP from step 1 (biases start at zero, so step 0 agrees); bias-free Llama
+#   does not notice. Qwen2 and Llama are run under it below. The
 #   shipped `zero3*.json` set it to `false` (shown in "Ten model families" below).
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides, and the same
 #   bf16-rounded weights (section 3; step 0 agrees in section 1).
 # * **The gradient norm's arithmetic**, which only clipping reads: FSDP's engine sums the
-#   per-shard norms in ZeRO-3's order; summed one by one they part in the last bit.
+#   per-shard norms in ZeRO-3's order (another order of the same sum can part in the last
+#   bit).
 # * **Gradient accumulation** agrees closely, not bitwise (the end of this section).
 #
 # The first two are settings a config carries; the check below reads them from the shipped
@@ -436,6 +444,7 @@ claim("clipping breaker: the first tensor that differs is the reduced gradient, 
       and clip.first_step == first_clipped + 1, tensor=(c.step, c.stage, c.dtype_a, c.dtype_b),
       first_norm_above_1=first_clipped, first_loss_step=clip.first_step)
 
+# %% [markdown]
 # ### Gradient accumulation
 #
 # `--grad-accum 2` on both backends: DeepSpeed's `gradient_accumulation_steps` (filled from
@@ -471,7 +480,9 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 # numbers in a different order and precision: FSDP2 sums the micro-batch gradients on each
 # rank (in bf16) and reduces once, while ZeRO-3 cannot skip a reduction (it has no
 # `no_sync`): it reduces every micro-batch and adds the reduced shards in its gradient
-# buffer, which is bf16 unless the JSON says `"data_types": {"grad_accum_dtype": "fp32"}`.
+# buffer, which is bf16 unless the JSON says `"data_types": {"grad_accum_dtype": "fp32"}`
+# (`compare` above reports the reduced gradient as the optimizer reads it, DeepSpeed's fp32
+# copy of that buffer; section 3's table shows the bf16 buffer itself).
 # Rounding bf16 sums in another order changes a few last bits, and training carries them on.
 # `compare` agrees: every micro-batch's local gradient is the same on both sides at step 0;
 # the first tensors that differ are the reduced gradients of that step.
@@ -496,16 +507,18 @@ os.environ["SWEEP"] = ",".join(SWEEP)
 default_linear = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
 del default_linear["zero_optimization"]["memory_efficient_linear"]
 (cfg / "zero3_default_linear.json").write_text(json.dumps(default_linear, indent=2))
-(cfg / "zero3_default_linear.yaml").write_text(
+_ = (cfg / "zero3_default_linear.yaml").write_text(
     "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: zero3_default_linear.json\n")
 
 # %% language="bash"
 # for mode in fsdp/full_shard deepspeed/zero3; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.families --config launch_configs/$mode.yaml \
-#         --out notebooks/runs/02_families_$(basename $mode) --steps $TRACE --families $SWEEP | tail -n 1
+#         --out notebooks/runs/02_families_$(basename $mode) --steps $TRACE --families $SWEEP > /dev/null \
+#         && echo "$(basename $mode): trained $SWEEP" || echo "$(basename $mode): failed"
 # done
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.families --config notebooks/runs/02_configs/zero3_default_linear.yaml \
-#     --out notebooks/runs/02_families_default_linear --steps $TRACE --families llama,qwen2 | tail -n 1
+#     --out notebooks/runs/02_families_default_linear --steps $TRACE --families llama,qwen2 > /dev/null \
+#     && echo "zero3, default linear: trained llama,qwen2" || echo "zero3, default linear: failed"
 # python -m helpers.compare notebooks/runs/02_families_full_shard/qwen2 notebooks/runs/02_families_default_linear/qwen2
 # echo "exit status $? (0: identical, 1: they differ)"
 

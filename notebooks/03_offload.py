@@ -63,16 +63,16 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # Two DeepSpeed limits shape what the tiny model (0.58M parameters) shows: ZeRO-3 keeps
 # parameters under `stage3_param_persistence_threshold` (100k elements) whole on every rank,
 # next to the compute, offload or not; and it swaps to NVMe only tensors of at least 1 MiB
-# per rank (the async I/O block). Here every decoder-layer weight is under the first (only
-# the embedding and output layer, 128k elements each, are partitioned), and every
-# parameter partition is under the second. Try `ARGS = "--model small ..."` (21M
+# per rank (the async I/O block). Here every decoder-layer weight is under the first (each
+# parameter still has its 1/N partition, which is what offload moves; the small ones are also
+# kept whole on every rank), and every parameter partition is under the second. Try `ARGS = "--model small ..."` (21M
 # parameters) to see parameters partitioned and swapped too: the same cells run, slower.
 #
 # ## NVMe needs a compiled op
 #
 # DeepSpeed reads and writes its swap files with Linux async I/O, a C++ op it compiles once
 # (it needs libaio's header: `apt-get install libaio-dev`). `make setup` installs the header
-# when it can; the first NVMe job on a machine compiles the op (about 5 minutes on 2 cores, once),
+# when it can; the first NVMe job on a machine compiles the op (minutes on 2 cores, once),
 # and `python -m helpers.warmup --nvme` does it ahead of time. A cell never compiles it without
 # saying so:
 
@@ -172,7 +172,7 @@ ALL3 = ("params", "grads", "optimizer_states")
 R = range(NPROC)
 claim("FSDP without offload keeps params, grads and optimizer states on the device, on every rank",
       all(places("FSDP, no offload", c, r) == {"device"} for c in ALL3 for r in R))
-claim("FSDP offload moves all three to the host together, on every rank",
+claim("FSDP offload moves all three to the host together, on every rank (the seeds' 'all or nothing')",
       all(places("FSDP offload", c, r) == {"host"} for c in ALL3 for r in R))
 claim("FSDP offload holds the same bytes as no offload (it moves them, adds none)",
       RUNS["FSDP offload"].summary["memory_bytes"] == RUNS["FSDP, no offload"].summary["memory_bytes"])
@@ -226,7 +226,8 @@ else:
 # The same bytes added up per location, next to the process's peak anonymous memory
 # (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On a GPU
 # the device peak is what offload lowers; on this machine host and device are one memory,
-# so the process's peak cannot fall:
+# so offload has nowhere to move the bytes and the process's peak stays where it was (within
+# the 5% the check allows):
 
 # %%
 totals = offload.location_totals(RUNS)
@@ -244,10 +245,10 @@ else:
 # %% [markdown]
 # ## 3 · What the copies cost
 #
-# Step time of each run against the same backend without offload: every step but the
-# first, compared by their spread (quartiles), since a 2-core machine shared with other work
-# varies by 15% or more between runs of the same config. A run is called faster or slower
-# only when the two spreads do not overlap (`helpers.claims.timing`).
+# Step time of each run against the same backend without offload: every step after the
+# warm-up steps the jobs' own medians leave out, compared by their spread (quartiles), since
+# step times on a shared 2-core machine vary from step to step. A run is called faster or
+# slower only when the two spreads do not overlap (`helpers.claims.timing`).
 
 # %%
 TIMES = {label: timing(label, step_times(r), "no offload", step_times(BASE[label]))
@@ -261,15 +262,17 @@ ax.tick_params(axis="x", rotation=20)
 ax.figure.tight_layout()
 for t in TIMES.values():
     print(t)
-claim("every ratio is a real measurement (two runs, each with steps after the first)",
+claim("every ratio is a real measurement (two runs, each with steps after the warm-up)",
       all(len(step_times(RUNS[label])) >= 2 and 0 < x < float("inf") for label, x in ratio.items()), ratio=ratio)
 
 # %% [markdown]
 # **What it means.** The lines above say, for each run, whether its steps were slower than
 # without offload *on this machine*, or within its noise. Without an accelerator, "copying to
 # the host" is a copy within the same RAM and the optimizer runs on the same cores either way,
-# so CPU offload has little to cost here; NVMe adds reads and writes of the swap files, which
-# the page cache may absorb. On a GPU the picture changes: each offloaded state crosses PCIe
+# so a CPU offload costs what its extra copies cost on the same cores: DeepSpeed copies the
+# gradients into fp32 host buffers and the updated weights back every step, which can make a
+# step slower even on one RAM (the verdicts above say whether it did, run by run). NVMe adds reads
+# and writes of the swap files, which the page cache may absorb. On a GPU the picture changes: each offloaded state crosses PCIe
 # every step (params twice, for forward and backward; gradients down, updated weights up) and
 # a host optimizer step is slower than a GPU one. That time is the price of the accelerator
 # memory offload frees; measure it there with the same cells.
@@ -292,8 +295,8 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is notebook 00's bump 
 
 # %% [markdown]
 # Offload changes where the arithmetic happens and where the bytes wait, not the arithmetic.
-# At full size the final loss is step 9's, the one-step bump every tiny run has there
-# (notebook 00 explains it: the learning rate), not a sign that training stalled.
+# At full size the final loss is step 9's, the one-step bump notebook 00's 2-rank run has
+# there too (same data, same rate: notebook 00 explains it), not a sign that training stalled.
 # (On a GPU, a host-side optimizer step can round differently from the
 # GPU's kernels; then check the curves agree closely rather than bit for bit.)
 #

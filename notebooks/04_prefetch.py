@@ -40,14 +40,16 @@
 # prefetched all-gather really travels while the previous layer computes: that is the point of
 # prefetch. On a CPU there are no streams. Gloo runs each collective on its own thread, so an
 # all-gather issued early can proceed while the training thread computes, but all of it shares
-# the same few cores. Here prefetch mostly *reorders* the collectives; the traces show the new
-# order exactly, and the step times do not show a gain. The same cells on a GPU show the overlap.
+# the same few cores. Here FSDP's prefetch *reorders* the collectives and ZeRO-3's prefetch
+# bucket *merges* them (one gather instead of one per tensor); the traces show both exactly.
+# Step times are compared only where their spreads part. On a GPU the same cells would show
+# the overlap itself (written for, not yet run on, GPUs).
 
 # %%
 import os
 
 from helpers import nb, plots, results, traces, wrap
-from helpers.claims import claim
+from helpers.claims import claim, step_times, timing
 from helpers.config import load_job_config
 from helpers.models import resolve_model
 
@@ -158,14 +160,14 @@ claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step
 # A prefetched unit is gathered earlier, so it is held longer, next to the one computing.
 # ZeRO-3's big prefetch bucket brings the whole model in with its first gather and keeps it to
 # the end of the step; without prefetch (and with `stage3_max_live_parameters: 0`) it holds one
-# parameter tensor at a time. FSDP's prefetch holds at most one more unit than FSDP without it.
-# `largest_all_gather_MB` (from the traces) is what one gather puts in memory at once.
+# parameter tensor at a time. FSDP's forward prefetch gathers the next unit while one computes,
+# so by design it can hold one more unit at a time (the traces show when a gather starts, not
+# how long its bytes stay). `largest_all_gather_MB` (from the traces) is what one gather puts in
+# memory at once.
 #
 # `peak_allocated_MB` is the most the allocator held during the profiled steps (the CPU stand-in
-# for `torch.cuda.max_memory_allocated`). At this model size it is set by activations and
-# varies by about a megabyte between ranks and runs on a CPU, more than the gathered
-# parameters weigh here, so we show it and claim nothing from it; on a GPU with the `small`
-# preset the gathered bytes dominate.
+# for `torch.cuda.max_memory_allocated`). We show it and claim nothing from it: one profiled job
+# per setting, and identical jobs' peaks differ (notebook 08 prints by how much).
 
 # %%
 model_mb = sum(u.num_params for u in units_tf) * 2 / 1e6  # the whole model in bf16
@@ -175,16 +177,22 @@ claim("ZeRO-3's prefetch bucket gathers the whole model at once", abs(big["ZeRO-
       largest_gather_MB=big["ZeRO-3 prefetch"], model_MB=model_mb)
 claim("without prefetch ZeRO-3 gathers one tensor at a time, well under the model",
       big["ZeRO-3 no prefetch"] < 0.3 * model_mb, largest_gather_MB=big["ZeRO-3 no prefetch"], model_MB=model_mb)
-claim("FSDP gathers one unit at a time, prefetch or not; its largest unit is a decoder block, and prefetch "
-      "holds one more of them", big["FSDP prefetch"] == big["FSDP no prefetch"] < 0.6 * model_mb
+claim("FSDP gathers one unit at a time, prefetch or not; its largest unit is a decoder block",
+      big["FSDP prefetch"] == big["FSDP no prefetch"] < 0.6 * model_mb
       and block_mb == max(u.num_params for u in units_tf) * 2 / 1e6,
       largest_gather_MB=big["FSDP prefetch"], block_MB=block_mb)
 
 # %% [markdown]
-# **Step time.** On this CPU the differences in `step_time_ms` above are within the noise of a
-# shared machine (we make no claim about them); the ratio to "no prefetch" is what to compare
-# on a GPU, where a prefetched gather hides behind compute.
-#
+# **Step time.** Each job's profiled steps, prefetch against no prefetch, with the verdict of
+# their spreads (two steps each: a rough look). ZeRO-3 without prefetch pays one gloo call per
+# parameter tensor, in forward and again in backward, where the bucket pays one; FSDP's
+# prefetch only moves gathers earlier, which on a CPU has no stream to hide them behind:
+
+# %%
+for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):
+    print(timing(a, step_times(pf[a]), b, step_times(pf[b])))
+
+# %% [markdown]
 # ### Compute and communication at the same time
 #
 # The time a rank was both computing and communicating (`traces.overlap_ms`). On a CPU part
@@ -256,9 +264,8 @@ fig.tight_layout()
 # **Reading it.** Smaller units mean more, smaller all-gathers; without policy units the root
 # gathers every decoder block at once (`largest_all_gather_MB`) and, during forward and
 # backward, every rank holds all of them. Not resharding after forward saves the backward gathers and keeps the blocks gathered in
-# between. At this model size the allocator's peak is set by activations, and we claim nothing
-# from its differences between unit choices on a CPU; with a larger model (the `small` preset on
-# a GPU) the gathered bytes dominate. The counts and sizes are exactly what the units predict:
+# between. We claim nothing from the allocator's peak between unit choices (one job each, and
+# identical jobs' peaks differ). The counts and sizes are exactly what the units predict:
 
 # %%
 rows = utab.loc[list(wr)]
@@ -287,9 +294,11 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # ## 5 · `--compile`
 #
 # `helpers.train --compile` compiles each decoder block in place *before* `fully_shard` (FSDP2),
-# so FSDP's hooks (gather before, reshard after) stay outside the compiled graphs and each block
-# compiles to one graph; on DeepSpeed it calls the engine's `compile()`, which compiles the
-# wrapped module with ZeRO's hooks kept out of the graph.
+# so FSDP's hooks (gather before, reshard after) stay outside the compiled blocks; on DeepSpeed
+# it calls the engine's `compile()`, which compiles the wrapped module. ZeRO-3's hooks run in
+# each module's forward, and dynamo traces them too: they change from call to call, so dynamo
+# recompiles until it reaches its recompile limit and then leaves them eager (one warning per
+# rank each time; the cell counts them instead of printing them).
 #
 # Why FSDP1 needed `fsdp_use_orig_params: true` for this: FSDP1 replaced a unit's parameters by
 # one `FlatParameter` and handed out views of it, which `torch.compile` could not trace as the
@@ -297,8 +306,8 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # FSDP2 never flattens: every parameter stays itself (a `DTensor` shard), so there is nothing to
 # ask for, and Accelerate ignores the key under `fsdp_version: 2`.
 #
-# Compiling costs a long first step (inductor generates and builds C++ for every graph: minutes
-# on 2 CPU cores), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
+# Compiling costs a long first step (inductor generates and builds C++ for every graph: the
+# first step's time is printed below), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
 # committed notebook shows the full run, on the tiny model). Fused kernels on a GPU are where
 # compile pays; on this CPU we only check that compiled training trains and that the first step
 # carries the compile time.
@@ -306,8 +315,11 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # %% language="bash"
 # if [ "$SIZE" = full ]; then
 #   for cfg in fsdp/full_shard deepspeed/zero3; do
+#     out=notebooks/runs/04_compile_$(basename $cfg)
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$cfg.yaml \
-#         --out notebooks/runs/04_compile_$(basename $cfg) --model tiny --steps 6 --compile | tail -n 1
+#         --out $out --model tiny --steps 6 --compile 2> $out.stderr | tail -n 1
+#     grep '^error' $out.stderr  # a failed job says why here
+#     echo "  dynamo recompile-limit warnings (all ranks): $(grep -c 'recompile_limit' $out.stderr)"
 #   done
 # else
 #   echo "GUIDE_SIZE=quick: compile section skipped (minutes of inductor builds on a CPU)"
@@ -335,8 +347,8 @@ else:
 # %%
 print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
 print(f"FSDP, transformer-block units ({len(units_tf)}): {want['all_gathers']} all-gathers and "
-      f"{want['reduce_scatters']} reduce-scatters per step, with or without prefetch; prefetch moves block 1's "
-      "gather before block 0's compute")
+      f"{want['reduce_scatters']} reduce-scatters per step, with or without prefetch; prefetch starts block 1's "
+      "gather while block 0 computes")
 print(f"ZeRO-3: {int(tab.loc['ZeRO-3 no prefetch', 'all_gathers'])} all-gathers per step without prefetch, "
       f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, gathered at once)")
 print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers, peak "

@@ -130,7 +130,7 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 # **What it means.**
 #
 # * **Naive**: every rank peaks at the whole model, the dashed line. Four ranks on one
-#   machine hold four full copies at once.
+#   machine each peak at a full copy, loading side by side.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive only their shard; they peak far below naive. Rank 0 reads the whole state
 #   dict to broadcast it, so its peak stays well above the others': the saving is the other
@@ -149,7 +149,7 @@ claim("each job used the method its config asks for, and every loaded model equa
 # on `small` (quick size) a rank's fixed costs (communication buffers, DeepSpeed's bookkeeping) are a
 # larger share of its peak than on `medium`, so the gap to naive is narrower there
 BOUND = 0.6 if MODEL == "medium" else 0.8
-# ZeRO-3 init: a rank holds its 1/N of the model plus the tensor being partitioned (at 2 ranks about 0.6 of naive)
+# ZeRO-3 init: its own bound (at 2 ranks a rank peaked near 0.6 of naive in our runs)
 ZBOUND = 0.7 if MODEL == "medium" else 0.8
 for n in WORLDS:
     sub = table[table.world_size == n]
@@ -172,8 +172,8 @@ for n in WORLDS:
 # for every parameter and buffer, and the state dict fills the parameters. But RoPE's
 # `inv_freq` is a **non-persistent** buffer: it is computed in `__init__` and never saved,
 # so no checkpoint restores it. After `to_empty()` it holds whatever bytes were there:
-# the model runs, with wrong positions, and the loss is simply worse. `helpers.loading.
-# fix_rotary` rebuilds such buffers from the config. See it on a tiny model:
+# the model runs, with no error, on wrong positions. `helpers.loading.fix_rotary` rebuilds
+# such buffers from the config. See it on a tiny model:
 
 # %%
 import torch  # noqa: E402
@@ -219,7 +219,8 @@ for n in WORLDS:
 #
 # Nothing below is part of the story above, and nothing runs until you click **Run**. The
 # panel's defaults are this notebook's own command (one step of `$PRETRAINED` at 2 ranks); it launches the selected configs
-# into its own run directories (`notebooks/runs/panel_05_*`) and redraws what rank 0 holds after loading. Try 4 ranks, or ZeRO-3 init against naive loading.
+# into its own run directories (`notebooks/runs/panel_05_*`) and redraws each run's peak memory
+# while loading, per rank. Try 4 ranks, or ZeRO-3 init against naive loading.
 
 # %%
 from helpers import widgets
@@ -227,5 +228,5 @@ from helpers import widgets
 widgets.ControlPanel("05", {"naive": "launch_configs/fsdp/full_shard.yaml",
                             "RAM-efficient": "launch_configs/fsdp/full_shard_ram_efficient.yaml",
                             "ZeRO-3 init": "launch_configs/deepspeed/zero3_init.yaml"},
-                     args="--model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32", plot=widgets.plot_memory,
+                     args="--model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32", plot=widgets.plot_loading,
                      ranks=2)

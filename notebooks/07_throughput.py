@@ -263,11 +263,10 @@ ranks[["backend", "world_size", "step_time_s", "tokens_per_s_per_rank", "tokens_
 rk = ranks.set_index(["backend", "world_size"])
 for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU node each rank has its own GPU
     two, four = rk.loc[(backend, 2)], rk.loc[(backend, 4)]
-    # 4 ranks share 2 cores: no rank gets faster. (On an idle machine each gets about half as fast; on one
-    # shared with other jobs the drop is smaller, as our 4 ranks then claim a larger share of the cores.)
-    claim(f"{backend}: at 4 ranks on 2 cores no rank gets faster than at 2, and the total does not rise by more "
-          "than 10%", four.tokens_per_s_per_rank < 1.1 * two.tokens_per_s_per_rank
-          and four.tokens_per_s < 1.1 * two.tokens_per_s,
+    # 4 ranks share 2 cores: no rank gets faster. How much slower each gets depends on how much of a step
+    # a rank spends waiting in collectives (then its core-mate computes) and on other load on the machine.
+    claim(f"{backend}: at 4 ranks on 2 cores no rank gets faster than at 2 (within 10%)",
+          four.tokens_per_s_per_rank < 1.1 * two.tokens_per_s_per_rank,
           per_rank_4_over_2=float(four.tokens_per_s_per_rank / two.tokens_per_s_per_rank),
           total_4_over_2=float(four.tokens_per_s / two.tokens_per_s), mfu_2=float(two.mfu), mfu_4=float(four.mfu))
 
@@ -276,8 +275,9 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 #
 # * **One thread per rank, oversubscribed at 4 ranks.** Each rank computes on one core
 #   (`OMP_NUM_THREADS=1`); the peak is that core's. At 4 ranks two ranks share a core, so
-#   each gets at most half its peak: MFU per rank falls, and total throughput does not rise
-#   by more than the 10% the check above allows.
+#   each gets at most half its peak: MFU per rank falls. The total can still rise (the
+#   `total_4_over_2` ratios above): while one rank waits in a gloo collective, the other rank
+#   on its core computes, so four ranks fill time two would spend waiting.
 #   On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters
 #   its gradients; ZeRO-3 does the same in buckets. With gloo these are memory copies
@@ -315,7 +315,8 @@ recap.round(3)
 # * The larger models reach a higher MFU than tiny: fixed costs shrink next to bigger matmuls
 #   (whether MFU rose at every size is printed above).
 # * Ranks beyond the cores make no rank faster: at 4 ranks on 2 cores, two ranks share a
-#   core (on an idle machine each runs at about half speed).
+#   core (the per-rank ratio above); the total may still rise, as the ranks fill each other's
+#   waits.
 # * Reproduce the harness's own cost: `python benchmarks/overhead.py` (harness vs minimal
 #   hand-written FSDP2 and DeepSpeed loops).
 

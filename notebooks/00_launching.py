@@ -22,7 +22,8 @@
 # see later in memory or checkpoints belongs to the backend, not to the training; a speed
 # difference, only once repeated step times show it above this machine's noise (notebook 07).
 #
-# **What we run.** Two real distributed jobs, launched with `torchrun` from `%%bash` cells:
+# **What we run.** Two real distributed jobs (and, further down, a third at another learning
+# rate), launched with `torchrun` from `%%bash` cells:
 #
 # * FSDP2 `fully_shard`, FULL_SHARD, bf16 compute on fp32 shards (`launch_configs/fsdp/full_shard.yaml`)
 # * DeepSpeed ZeRO-3, bf16 compute with fp32 master weights (`launch_configs/deepspeed/zero3.yaml`)
@@ -100,7 +101,9 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 #
 # ## What a run directory holds
 #
-# Everything below is read from the files, never from the printed output.
+# Everything below is read from the files, never from the printed output. (The
+# `updated_fraction` columns stay empty unless a job is run with `--track-updates`: notebook
+# 02 uses them.)
 
 # %%
 fsdp, ds = results.load_runs("notebooks/runs/00_fsdp", "notebooks/runs/00_deepspeed")
@@ -139,7 +142,9 @@ claim("the model learns: the final loss is over 0.5 below the first", fsdp.summa
 
 # %% [markdown]
 # **The bump at step 9.** The loss jumps at step 9 and is back the step after, in both
-# curves, with a large gradient norm at that step. It is the learning rate, not the data:
+# curves, with a large gradient norm at that step (checked below on 2 ranks; with another rank
+# count each rank draws another slice of the batch and the bump moves). It is the learning
+# rate, not the data:
 # 3e-3 from the first step, with no warm-up. The data are arithmetic progressions modulo 97
 # (`helpers.models`), so the model only has to learn which 97 of its 1000 token ids occur
 # (a loss near ln 97 = 4.57) and then the progressions; once it has pushed the other ids
@@ -156,7 +161,7 @@ claim("the model learns: the final loss is over 0.5 below the first", fsdp.summa
 m = fsdp.metrics.set_index("step")
 slow = results.load_run("notebooks/runs/00_fsdp_lr1e-3").metrics.set_index("step")
 print(m.loc[8:10, ["loss", "grad_norm"]].round(3).to_string())
-if NPROC == 2:  # where the bump falls depends on the data each rank draws: seed 0 on 2 ranks puts it at step 9
+if NPROC == 2:  # where the bump falls depends on each rank's slice of the batch: seed 0 on 2 ranks puts it at step 9
     claim("at lr 3e-3 the loss jumps at step 9 (by over 0.3, gradient norm over 10) and is back at step 10",
           m.loss[9] > m.loss[8] + 0.3 and m.grad_norm[9] > 10 and m.loss[10] < m.loss[8] + 0.05,
           loss_8_9_10=m.loss.loc[8:10].round(3).tolist(), grad_norm_9=m.grad_norm[9])
@@ -198,7 +203,8 @@ for r in (fsdp, ds):
 #   every later notebook reads.
 # * The step times above are one run each on a shared CPU: not a speed comparison of the
 #   backends (notebook 07 compares them with repeated steps and says when a difference is
-#   above the noise).
+#   above the noise). Nor is MFU: each job measures its core's peak when it starts, and that
+#   measurement moves between jobs on a shared machine (each job's `peak` line above).
 #
 # Next: `01_sharding` — what each rank actually holds under each FSDP strategy and ZeRO stage.
 

@@ -65,8 +65,10 @@ pd.DataFrame(mapping.mapping_rows()).set_index("mode")
 # %% [markdown]
 # The memory model (ZeRO paper) for Adam in bf16 mixed precision: per parameter, **2**
 # bytes of bf16 weights + **2** of bf16 gradients + **12** of optimizer state (an fp32
-# master copy, and fp32 momentum and variance) = 16 bytes. Each stage divides more of it
-# by the number of ranks. That is DeepSpeed's split; FSDP's aligned mode (Accelerate's) holds
+# master copy, and fp32 momentum and variance) = 16 bytes. Each stage shards more of it over
+# the ranks: ZeRO-1 the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too
+# (measured just before the step, as below, ZeRO-1 and ZeRO-2 hold the same: see why further
+# down). That is DeepSpeed's split; FSDP's aligned mode (Accelerate's) holds
 # the same 16 bytes as 4 of fp32 weights, 4 of fp32 gradients and 8 of moments, with no
 # separate master. The `theory` column below follows each backend's own split.
 #
@@ -208,18 +210,16 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
       grads_ratio=split.loc["grads", "full_shard"] / split.loc["grads", "zero3"])
 
 # %% [markdown]
-# Two more differences the bars show:
+# Two more differences, both transient, which the bars (measured before the step) do not show:
 #
 # * **ZeRO-1 vs ZeRO-2.** DeepSpeed's ZeRO-1 reduces gradients into per-rank partitions at
-#   the step, so just before the step it holds the same as ZeRO-2. By design, ZeRO-1 does not
-#   save the *full* gradient during backward (and across accumulation micro-batches); ZeRO-2
-#   reduces bucket by bucket as backward runs. That is transient memory: the bars above are
-#   measured before the step, where the two match (the process peaks at the end of this
-#   notebook include it, among everything else a process holds).
+#   the step, so just before the step it holds the same as ZeRO-2. During backward (and across
+#   accumulation micro-batches) ZeRO-1 holds the *full* gradient; ZeRO-2 reduces bucket by
+#   bucket as backward runs.
 # * **SHARD_GRAD_OP vs FULL_SHARD.** Identical at rest. The difference is in between:
 #   SHARD_GRAD_OP keeps each unit's gathered weights from forward until its backward
-#   (no second all-gather), FULL_SHARD frees them and gathers again. That too is transient;
-#   notebook 08 counts it per rank (`peak_tensor_bytes`), with the batch it costs.
+#   (no second all-gather), FULL_SHARD frees them and gathers again; notebook 08 counts it
+#   per rank (`peak_tensor_bytes`), with the batch it costs.
 #
 # The identity from notebook 00 holds at every world size we ran on the CPU (gloo). Under
 # nccl beyond 2 ranks the two backends may sum in another order (`nb.bitwise_parity_expected`;
@@ -300,7 +300,7 @@ peaks = pd.DataFrame([{"mode": r.summary["mode_key"], "ranks": r.summary["world_
                        "state MiB (rank 0)": sum(r.summary["memory_bytes"][0].values()) / 2**20}
                       for r in runs if r.summary["world_size"] == 2]).set_index("mode").round(0)
 share = peaks["state MiB (rank 0)"] / peaks["peak MiB (max over ranks)"]
-claim("the state is under half of the process's peak in every run here", (share < 0.5).all(),
+claim("the state is under half of the process's peak in every 2-rank run here", (share < 0.5).all(),
       state_over_peak=share.round(2).to_dict())
 peaks
 
@@ -315,7 +315,8 @@ recap
 
 # %% [markdown]
 # * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3,
-#   `HYBRID_SHARD` ~ ZeRO++ hpZ; ZeRO-1 has no FSDP twin. "=" is about what is sharded:
+#   `HYBRID_SHARD` ~ ZeRO++ hpZ (alike in spirit, a second level of sharding within a node,
+#   not in bytes: the recap table); ZeRO-1 has no FSDP twin. "=" is about what is sharded:
 #   FULL_SHARD, NO_SHARD, ZeRO-1/2/3 trained identically over these short runs, ZeRO-0
 #   (bf16) did not.
 # * Every measured category was within 5% of the ZeRO model, on every rank, except ZeRO-1/2
@@ -336,7 +337,7 @@ recap
 # setting that has no exact counterpart:
 
 # %%
-pd.set_option("display.max_colwidth", 90)
+pd.set_option("display.max_colwidth", None)  # every note whole
 pd.DataFrame(mapping.settings_rows()).set_index("topic")
 
 # %% language="bash"

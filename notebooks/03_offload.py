@@ -65,8 +65,10 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # next to the compute, offload or not; and it swaps to NVMe only tensors of at least 1 MiB
 # per rank (the async I/O block). Here every decoder-layer weight is under the first (each
 # parameter still has its 1/N partition, which is what offload moves; the small ones are also
-# kept whole on every rank), and every parameter partition is under the second. Try `ARGS = "--model small ..."` (21M
-# parameters) to see parameters partitioned and swapped too: the same cells run, slower.
+# kept whole on every rank), and every parameter partition is under the second. With
+# `ARGS = "--model small ..."` (21M parameters) the decoder weights are partitioned too, and
+# the partitions of the embedding and output layer (about 4 MB per rank each) are large
+# enough to be swapped: the same cells run, slower.
 #
 # ## NVMe needs a compiled op
 #
@@ -153,9 +155,10 @@ axes[0].figure.tight_layout()
 #   offload less.
 # * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,
 #   Adam's states and the reduced gradient partitions go to the host, while the bf16
-#   parameter partitions stay next to the compute. DeepSpeed also keeps an fp32 copy of
-#   the gradient partition on the host for its host-side step, so the "grads" bar grows:
-#   offload moves bytes *and* adds some.
+#   parameter partitions stay next to the compute. Offloading to the CPU, DeepSpeed also
+#   keeps an fp32 copy of the gradient partition on the host for its host-side step, so the
+#   "grads" bar grows: offload moves bytes *and* adds some (the NVMe run, whose optimizer
+#   steps through its swap buffers, shows no such copy).
 # * **Params + optimizer** moves the bf16 parameter partitions to the host too. The
 #   "persistent" small parameters that ZeRO-3 keeps whole stay next to the compute - in
 #   this tiny model that is every decoder-layer weight, so "device" keeps most params.
@@ -226,8 +229,8 @@ else:
 # The same bytes added up per location, next to the process's peak anonymous memory
 # (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On a GPU
 # the device peak is what offload lowers; on this machine host and device are one memory,
-# so offload has nowhere to move the bytes and the process's peak stays where it was (within
-# the 5% the check allows):
+# so FSDP's offload has nowhere to move the bytes and cannot lower the process's peak (the
+# check below); DeepSpeed's offload paths add buffers of their own (their peaks in the table):
 
 # %%
 totals = offload.location_totals(RUNS)
@@ -269,10 +272,11 @@ claim("every ratio is a real measurement (two runs, each with steps after the wa
 # **What it means.** The lines above say, for each run, whether its steps were slower than
 # without offload *on this machine*, or within its noise. Without an accelerator, "copying to
 # the host" is a copy within the same RAM and the optimizer runs on the same cores either way,
-# so a CPU offload costs what its extra copies cost on the same cores: DeepSpeed copies the
-# gradients into fp32 host buffers and the updated weights back every step, which can make a
-# step slower even on one RAM (the verdicts above say whether it did, run by run). NVMe adds reads
-# and writes of the swap files, which the page cache may absorb. On a GPU the picture changes: each offloaded state crosses PCIe
+# so there is no transfer to pay for. What differs is the code each offload path runs (its own
+# buffers and copies, DeepSpeed's host-side optimizer step on flat fp32 partitions), which can
+# make a step slower or faster than the no-offload path here: the verdicts above say which, run
+# by run, and we have not broken the steps down. NVMe adds reads and writes of the swap
+# files, which the page cache may absorb. On a GPU the picture changes: each offloaded state crosses PCIe
 # every step (params twice, for forward and backward; gradients down, updated weights up) and
 # a host optimizer step is slower than a GPU one. That time is the price of the accelerator
 # memory offload frees; measure it there with the same cells.
@@ -318,7 +322,7 @@ if not NVME_OK:
 # * FSDP has one offload switch, and it moves parameters, gradients and optimizer states
 #   together; DeepSpeed offloads the optimizer alone (the bf16 params stay), the params
 #   too, and either to NVMe, where the master weights and Adam's states become swap files.
-# * DeepSpeed's optimizer offload adds an fp32 gradient copy on the host; ZeRO-3 keeps its
+# * DeepSpeed's CPU optimizer offload adds an fp32 gradient copy on the host; ZeRO-3 keeps its
 #   small persistent params next to the compute; only tensors of at least 1 MiB per rank
 #   go to disk.
 # * Losses do not change with offload. On this CPU-only machine nothing is saved - the

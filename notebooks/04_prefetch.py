@@ -85,8 +85,9 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # %% [markdown]
 # **Reading it.** Each panel is one step; per rank, the upper lane is compute (the training
 # thread's operators), the lower lane communication (gloo's transfers); shaded: forward,
-# backward, optimizer step. FSDP gathers one unit (the input embedding, a decoder block, or the
-# final norm + head: the units `accelerate launch` makes from these files, section 4) at a time. ZeRO-3 without prefetch gathers every parameter tensor on its
+# backward, optimizer step. Each FSDP gather brings one unit (the input embedding, a decoder
+# block, or the final norm + head: the units `accelerate launch` makes from these files,
+# section 4); with prefetch the next one starts while one computes. ZeRO-3 without prefetch gathers every parameter tensor on its
 # own, in forward and again in backward: many small transfers. ZeRO-3 with its default-sized
 # prefetch bucket (5e7 elements, bigger than this whole model) fetches everything in the first
 # gather and, with `stage3_max_live_parameters` above the model size, keeps it until the step
@@ -158,8 +159,7 @@ claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step
 # ## 3 · What prefetch holds: the size of one gather
 #
 # A prefetched unit is gathered earlier, so it is held longer, next to the one computing.
-# ZeRO-3's big prefetch bucket brings the whole model in with its first gather and keeps it to
-# the end of the step; without prefetch (and with `stage3_max_live_parameters: 0`) it holds one
+# ZeRO-3's big prefetch bucket brings the whole model in with its first gather; without prefetch (and with `stage3_max_live_parameters: 0`) it holds one
 # parameter tensor at a time. FSDP's forward prefetch gathers the next unit while one computes,
 # so by design it can hold one more unit at a time (the traces show when a gather starts, not
 # how long its bytes stay). `largest_all_gather_MB` (from the traces) is what one gather puts in
@@ -177,7 +177,7 @@ claim("ZeRO-3's prefetch bucket gathers the whole model at once", abs(big["ZeRO-
       largest_gather_MB=big["ZeRO-3 prefetch"], model_MB=model_mb)
 claim("without prefetch ZeRO-3 gathers one tensor at a time, well under the model",
       big["ZeRO-3 no prefetch"] < 0.3 * model_mb, largest_gather_MB=big["ZeRO-3 no prefetch"], model_MB=model_mb)
-claim("FSDP gathers one unit at a time, prefetch or not; its largest unit is a decoder block",
+claim("FSDP's largest single gather is one unit, prefetch or not, and that unit is a decoder block",
       big["FSDP prefetch"] == big["FSDP no prefetch"] < 0.6 * model_mb
       and block_mb == max(u.num_params for u in units_tf) * 2 / 1e6,
       largest_gather_MB=big["FSDP prefetch"], block_MB=block_mb)
@@ -186,7 +186,9 @@ claim("FSDP gathers one unit at a time, prefetch or not; its largest unit is a d
 # **Step time.** Each job's profiled steps, prefetch against no prefetch, with the verdict of
 # their spreads (two steps each: a rough look). ZeRO-3 without prefetch pays one gloo call per
 # parameter tensor, in forward and again in backward, where the bucket pays one; FSDP's
-# prefetch only moves gathers earlier, which on a CPU has no stream to hide them behind:
+# prefetch moves gathers earlier, and since gloo runs each collective on its own thread, an
+# early gather can proceed while the training thread computes (the intro). Whether either paid
+# off here is the verdict:
 
 # %%
 for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):
@@ -219,6 +221,10 @@ for name, r in pf.items():
 # backward; the root takes what is left. `fsdp_reshard_after_forward: false`
 # (`shard_grad_op.yaml`) keeps gathered blocks from forward to backward. DeepSpeed has no
 # units: its thresholds decide.
+#
+# The "transformer blocks" row is section 1's prefetch run (`full_shard_prefetch.yaml`); the
+# other three configs do not set forward prefetch, so their step times and peaks are not a
+# like-for-like comparison with it (their counts are, as prefetch changes no count).
 #
 # Where the guide differs from `accelerate launch`, on purpose, the job log says so in a `note:`
 # line: with `SIZE_BASED_WRAP` the policy also picks `model.layers` (a `ModuleList`), which

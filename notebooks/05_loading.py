@@ -133,13 +133,14 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 #   machine each peak at a full copy, loading side by side.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive only their shard; they peak far below naive. Rank 0 reads the whole state
-#   dict to broadcast it, so its peak stays well above the others': the saving is the other
-#   `world_size - 1` copies, which is what decides whether a node runs out of host memory.
-# * **ZeRO-3 init**: each parameter is partitioned the moment it is created, and
-#   transformers fills it from the memory-mapped file piece by piece, so no rank ever holds
-#   the whole model, rank 0 included. What a rank keeps above its shard is DeepSpeed's
-#   working memory (each parameter is gathered whole while it is filled, plus buffers),
-#   which is why the ZeRO-3 bars do not shrink in proportion to the ranks.
+#   dict to broadcast it, so its peak stays well above the others': the saving is on the
+#   other `world_size - 1` ranks, none of which holds a copy any more, and that is what decides
+#   whether a node runs out of host memory.
+# * **ZeRO-3 init**: each parameter is partitioned the moment it is created and filled piece
+#   by piece; only rank 0 reads the file (its `peak_file_MiB` in the table; the others' stays a
+#   few MiB), so no rank ever holds the whole model, rank 0 included. Above its shard a rank
+#   holds DeepSpeed's working memory (parameters gathered while they are filled, buffers),
+#   which we have not broken down: the ZeRO-3 bars do not shrink in proportion to the ranks.
 #
 # The checks below hold these statements to the numbers of this run.
 

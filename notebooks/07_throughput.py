@@ -162,8 +162,8 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}
 #
 # A CPU without bf16 matrix instructions (`avx512_bf16`, AMX) emulates a bf16 matmul, far
 # slower than fp32, the reverse of a GPU, where bf16 tensor cores are the fast path; a CPU with
-# them runs bf16 faster than fp32. The cell below lists what this one has, and the next one
-# prints both measured peaks. The peak is measured in the job's dtype, so MFU stays honest
+# them runs bf16 faster than fp32. The cell below lists what this one has; the first cell
+# after the size sweep prints both measured peaks. The peak is measured in the job's dtype, so MFU stays honest
 # either way. The sweeps below train the **plain fp32 pair**
 # (`fsdp/full_shard_low_precision.yaml --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`),
 # whose speed does not depend on which bf16 instructions a CPU has.
@@ -275,9 +275,9 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 #
 # * **One thread per rank, oversubscribed at 4 ranks.** Each rank computes on one core
 #   (`OMP_NUM_THREADS=1`); the peak is that core's. At 4 ranks two ranks share a core, so
-#   each gets at most half its peak: MFU per rank falls. The total can still rise (the
-#   `total_4_over_2` ratios above): while one rank waits in a gloo collective, the other rank
-#   on its core computes, so four ranks fill time two would spend waiting.
+#   each gets at most half its peak: MFU per rank falls. The total need not fall with it (the
+#   `total_4_over_2` ratios above, one short job per point): a rank waiting in a gloo
+#   collective leaves its core to the other rank.
 #   On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters
 #   its gradients; ZeRO-3 does the same in buckets. With gloo these are memory copies
@@ -295,7 +295,8 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 # ## Recap
 #
 # Measured on this machine (from the run directories and the sweep CSVs), next to the
-# seeds' GPU reference:
+# seeds' GPU reference. The pair ran bf16 at micro-batch 8, the sweeps fp32 at micro-batch 2:
+# their rows differ in both, so read each group on its own:
 
 # %%
 recap = pd.concat([
@@ -315,8 +316,7 @@ recap.round(3)
 # * The larger models reach a higher MFU than tiny: fixed costs shrink next to bigger matmuls
 #   (whether MFU rose at every size is printed above).
 # * Ranks beyond the cores make no rank faster: at 4 ranks on 2 cores, two ranks share a
-#   core (the per-rank ratio above); the total may still rise, as the ranks fill each other's
-#   waits.
+#   core (the per-rank ratio above).
 # * Reproduce the harness's own cost: `python benchmarks/overhead.py` (harness vs minimal
 #   hand-written FSDP2 and DeepSpeed loops).
 

@@ -277,8 +277,9 @@ claim("at rest ZeRO-3 holds the same state bytes as FULL_SHARD (params, master, 
 # is when backward starts: FSDP has freed
 # its gradients after the last step (`zero_grad(set_to_none=True)`) and makes them again as
 # backward runs, while ZeRO-3 keeps its gradient partition (one flat buffer made at start-up)
-# and holds its bf16 shard next to the fp32 master, plus the bucket. Those bytes come off the
-# room left for activations. That is the part of the gap the estimator counts; the runs found
+# and holds its bf16 shard next to the fp32 master, plus the bucket. The estimator counts
+# that moment, and its `predicted` column already gives ZeRO-3 fewer sequences than
+# FULL_SHARD; that is the part of the gap it counts. The runs found
 # less room still for ZeRO-3 than it predicted (the table's `predicted` against `largest
 # (runs)`; the peaks table at the end prints the estimator's median error on the DeepSpeed rows
 # next to the FSDP rows'). Which further bytes DeepSpeed holds on this CPU we have not broken
@@ -394,9 +395,11 @@ ax.set_xticks([1, 2], ["plain", "checkpointed"])
 _ = ax.set(ylabel="step time, s", title=f"FULL_SHARD, micro-batch {TIME_BATCH}: steps after warm-up, 2 runs each")
 
 # %% [markdown]
-# On a GPU the recompute costs about one extra forward of the blocks (a forward is 2 of the 6
-# FLOPs per parameter and token, notebook 07: roughly a third more
-# compute per step); measure it there with more steps, where the timings are steady.
+# In FLOPs the recompute is one extra forward of the blocks (a forward is 2 of the 6 FLOPs per
+# parameter and token, notebook 07: up to a third more compute per step). What it costs in
+# time is the verdict above: on this CPU a step also spends time the recompute does not add to
+# (the optimizer, gloo's collectives, fixed per-op costs), and we have not broken it down.
+# Measure it on your GPU with more steps, where the timings are steady.
 #
 # ## Predicted against measured peak
 #
@@ -452,7 +455,7 @@ claim("every row but offload is within 10% plus the spread of the measurement it
 # The offload row is left out of the worst and median: the estimator models offload as a GPU has
 # it (states in host memory, a device working set), and its CPU prediction adds the host bytes
 # back; on this machine host and device are one memory (notebook 03), so that sum counts
-# bytes the job never holds twice, and the row's error says so.
+# twice bytes the job holds once, and the row's error says so.
 #
 # What the estimator leaves out (its module doc, `helpers/estimate.py`), and why the table can
 # still be this close on a CPU:
@@ -492,7 +495,8 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 # * As in the seeds' tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more than
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
 #   sequence at all. DeepSpeed ZeRO-3, with its gradient bucket sized for this model, fit too,
-#   no more than FULL_SHARD: it keeps its gradient partition and a bf16 shard through backward.
+#   fewer sequences than FULL_SHARD; the estimator counts part of why (it keeps its gradient
+#   partition and a bf16 shard through backward), the runs found less room still.
 # * On one RAM, offload did not fit the batch the estimator predicts for a GPU. DeepSpeed's
 #   default gradient bucket (the estimator's count of the config's 5e8 elements) is larger than
 #   this budget, and ZeRO-3's measured peak at batch 1 larger still: it did not fit batch 1.

@@ -143,7 +143,7 @@ claim("the model learns: the final loss is over 0.5 below the first", fsdp.summa
 # %% [markdown]
 # **The bump at step 9.** The loss jumps at step 9 and is back the step after, in both
 # curves, with a large gradient norm at that step (checked below on 2 ranks; with another rank
-# count each rank draws another slice of the batch and the bump moves). It is the learning
+# count each rank draws another slice of the batch, so the bump can fall elsewhere). It is the learning
 # rate, not the data:
 # 3e-3 from the first step, with no warm-up. The data are arithmetic progressions modulo 97
 # (`helpers.models`), so the model only has to learn which 97 of its 1000 token ids occur

@@ -257,13 +257,14 @@ claim("ZeRO-0 does not: its losses differ from NO_SHARD's", at2["zero0"]["losses
       grad_norm_step0=f'{norm0["zero0"]:.9g} vs {norm0["no_shard"]:.9g}')
 
 # %% [markdown]
-# ## What it buys: the largest micro-batch in a memory budget
+# ## What it buys: the largest micro-batch in a memory budget, from state and activations alone
 #
 # The seeds (the write-ups this guide grew from; their tables are in notebook 08) report
 # DDP fitting batch 8 and ZeRO-2 batch 40 on 24 GB cards. The same question, for our model,
 # in its simplest form: per rank, the state above plus activations per sequence must fit the
 # budget. This leaves out everything transient (gathered units, buckets, the optimizer step)
-# and the process itself; notebook 08 adds those and confirms its answers with runs. Activations per sequence are measured too (bytes autograd saves for
+# and the process itself (the process peaks further down are above this budget even at
+# micro-batch 1); notebook 08 adds what it leaves out and confirms its answers with runs. Activations per sequence are measured too (bytes autograd saves for
 # backward in one forward, `activation_bytes_per_sample`). On this CPU we **compute** the
 # answer from those measurements; on a GPU you would also find it by trying until OOM.
 
@@ -318,7 +319,8 @@ recap
 #   `HYBRID_SHARD` ~ ZeRO++ hpZ (alike in spirit, a second level of sharding within a node,
 #   not in bytes: the recap table); ZeRO-1 has no FSDP twin. "=" is about what is sharded:
 #   FULL_SHARD, NO_SHARD, ZeRO-1/2/3 trained identically over these short runs, ZeRO-0
-#   (bf16) did not.
+#   (bf16) did not. HYBRID_SHARD is not in that list: its 4-rank run ended a little away from
+#   FULL_SHARD's (the recap's final losses); we have not traced where it parts.
 # * Every measured category was within 5% of the ZeRO model, on every rank, except ZeRO-1/2
 #   gradients: up to two boundary parameters' whole gradients on top of the 1/N slice.
 # * Fully sharded state at 4 ranks is a quarter of 1 rank's.
@@ -333,8 +335,10 @@ recap
 #
 # Sharding is one row of a launch config. `helpers.mapping.SETTINGS` holds the others as
 # data, and `python -m helpers.translate` reads it to turn an FSDP config into the DeepSpeed
-# one that trains the same way (and back), with a warning and the nearest choice for every
-# setting that has no exact counterpart:
+# one with the same settings (and back), with a warning and the nearest choice for every
+# setting that has no exact counterpart. "Exact" is about what a setting asks for, not about
+# bit-identical training: NO_SHARD and ZeRO-0 ask for the same sharding (nothing) and still
+# train differently (above).
 
 # %%
 pd.set_option("display.max_colwidth", None)  # every note whole

@@ -242,7 +242,7 @@ claim("the aligned FSDP and DeepSpeed curves of the bf16 weights coincide, step 
 # **What it shows.** With fp32 shards every weight that has a gradient moves at every step,
 # and the small moves add up until they cross a bf16 rounding boundary: more of the bf16
 # weights change per step than in the low-precision run, where a move smaller than half a
-# bf16 rounding step (about |w| / 256) is lost for good. The aligned FSDP and DeepSpeed
+# bf16 rounding step (up to about |w| / 256) is lost for good. The aligned FSDP and DeepSpeed
 # curves coincide: DeepSpeed's bf16 shard is its fp32 master rounded, exactly what FSDP's
 # forward pass gathers.
 #
@@ -280,8 +280,9 @@ claim(f"DeepSpeed holds more params than the model says (persistent whole weight
 # same 16 bytes (bf16 params and grads, fp32 master and moments), but it holds more params
 # than the ZeRO model says: ZeRO-3 keeps parameters smaller than
 # `stage3_param_persistence_threshold` (100k elements by default) whole on every rank, to
-# spare their all-gathers. In this tiny model every decoder-layer weight is under that size
-# (the largest is 128 x 256), so they all stay whole; on a real model only norms and biases do.
+# spare their all-gathers, next to their 1/N partition (the measurement counts both). In this
+# tiny model every decoder-layer weight is under that size (the largest is 128 x 256), so they
+# all stay whole; on a real model only norms and biases do.
 #
 # ## 6 · Parity: when the two backends do the same arithmetic
 #
@@ -298,7 +299,8 @@ claim(f"DeepSpeed holds more params than the model says (persistent whole weight
 #   with biased linears (Qwen2's q/k/v projections; GPT-NeoX and StarCoder2 have them too)
 #   then parts from FSDP from step 1 (biases start at zero, so step 0 agrees); bias-free Llama
 #   does not notice. Qwen2 and Llama are run under it below. The
-#   shipped `zero3*.json` set it to `false` (shown in "Ten model families" below).
+#   shipped `zero3*.json` set it to `false` (the next cell checks it; "Ten model families"
+#   below runs without it).
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides, and the same
 #   bf16-rounded weights (section 3; step 0 agrees in section 1).
 # * **The gradient norm's arithmetic**, which only clipping reads: FSDP's engine sums the
@@ -345,7 +347,8 @@ print(json.dumps(ds_json, indent=2))
 # %% [markdown]
 # We run it (and an FSDP job with the same clipping, `--grad-clip 1.0`) for `SHORT` steps
 # at `LR_HIGH`, where gradient norms exceed 1, and compare with the first `SHORT` steps of
-# the aligned FSDP run of section 2 (a job's first steps do not depend on how many follow).
+# the aligned FSDP run of section 2 (at a constant learning rate, as here, a job's first steps
+# do not depend on how many follow).
 # The DeepSpeed job also writes a tensor trace (`--trace-tensors`), for `helpers.compare` below.
 
 # %% language="bash"

@@ -230,7 +230,8 @@ else:
 # (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On a GPU
 # the device peak is what offload lowers; on this machine host and device are one memory,
 # so FSDP's offload has nowhere to move the bytes and cannot lower the process's peak (the
-# check below); DeepSpeed's offload paths add buffers of their own (their peaks in the table):
+# check below). DeepSpeed's peaks are in the table too, shown without a claim (identical jobs'
+# peaks differ, notebook 08):
 
 # %%
 totals = offload.location_totals(RUNS)
@@ -335,7 +336,7 @@ if not NVME_OK:
 #
 # Nothing below is part of the story above, and nothing runs until you click **Run**. The
 # panel's defaults are this notebook's own command (`$ARGS --steps $STEPS`); it launches the selected configs
-# into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its parameters are large enough to be partitioned and moved.
+# into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its decoder weights are then partitioned too (not kept whole), and its largest partitions are big enough for NVMe.
 
 # %%
 from helpers import widgets

@@ -159,7 +159,7 @@ claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step
 # ## 3 · What prefetch holds: the size of one gather
 #
 # A prefetched unit is gathered earlier, so it is held longer, next to the one computing.
-# ZeRO-3's big prefetch bucket brings the whole model in with its first gather; without prefetch (and with `stage3_max_live_parameters: 0`) it holds one
+# ZeRO-3's big prefetch bucket brings the whole model in with its first gather; without prefetch (and with `stage3_max_live_parameters: 0`) it gathers one
 # parameter tensor at a time. FSDP's forward prefetch gathers the next unit while one computes,
 # so by design it can hold one more unit at a time (the traces show when a gather starts, not
 # how long its bytes stay). `largest_all_gather_MB` (from the traces) is what one gather puts in
@@ -187,8 +187,9 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # their spreads (two steps each: a rough look). ZeRO-3 without prefetch pays one gloo call per
 # parameter tensor, in forward and again in backward, where the bucket pays one; FSDP's
 # prefetch moves gathers earlier, and since gloo runs each collective on its own thread, an
-# early gather can proceed while the training thread computes (the intro). Whether either paid
-# off here is the verdict:
+# early gather can proceed while the training thread computes (the intro). Whether either was
+# faster here is the verdict; the next table shows where the time went (compare "both at once"
+# before reading a speed-up as overlap):
 
 # %%
 for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):
@@ -312,7 +313,7 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # FSDP2 never flattens: every parameter stays itself (a `DTensor` shard), so there is nothing to
 # ask for, and Accelerate ignores the key under `fsdp_version: 2`.
 #
-# Compiling costs a long first step (inductor generates and builds C++ for every graph: the
+# Compiling costs a long first step (dynamo traces and inductor generates code for every graph: the
 # first step's time is printed below), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
 # committed notebook shows the full run, on the tiny model). Fused kernels on a GPU are where
 # compile pays; on this CPU we only check that compiled training trains and that the first step

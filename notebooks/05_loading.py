@@ -133,9 +133,10 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 #   machine each peak at a full copy, loading side by side.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive only their shard; they peak far below naive. Rank 0 reads the whole state
-#   dict to broadcast it, so its peak stays well above the others': the saving is on the
-#   other `world_size - 1` ranks, none of which holds a copy any more, and that is what decides
-#   whether a node runs out of host memory.
+#   dict to broadcast it (memory-mapped: its `peak_file_MiB` holds the whole file), so its
+#   peak stays well above the others'. The saving is largest on the other `world_size - 1`
+#   ranks, none of which holds a copy any more, and that is what decides whether a node runs
+#   out of host memory.
 # * **ZeRO-3 init**: each parameter is partitioned the moment it is created and filled piece
 #   by piece; only rank 0 reads the file (its `peak_file_MiB` in the table; the others' stays a
 #   few MiB), so no rank ever holds the whole model, rank 0 included. Above its shard a rank
@@ -212,7 +213,8 @@ for n in WORLDS:
 #   far below naive; its rank 0 still reads the whole state dict.
 # * DeepSpeed's ZeRO-3 init (partition on creation) keeps every rank, rank 0 included, below
 #   the whole model.
-# * Weights loaded either way equal the file (checksums from every rank's shard).
+# * Weights loaded either way match the file's checksums (sum and sum of squares over every
+#   rank's shard).
 # * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict.
 
 # %% [markdown]

@@ -159,7 +159,9 @@ claim(f"the relay's loss is bit-identical to the uninterrupted run's at all {2 *
 # ## What each kind of checkpoint costs
 #
 # Save time is measured in the job from the barrier before the save to the barrier after
-# it; sizes are read from disk. The conversions ran offline, in one process.
+# it; the DeepSpeed ZeRO-3 row leaves out the 16-bit file's write, which has its own row (the
+# job's `saved` line counts both). Sizes are read from disk. The conversions ran offline, in
+# one process.
 
 # %%
 def disk(path):
@@ -236,7 +238,7 @@ claim(f"transformers loads the export as {type(hf).__name__}, every tensor equal
 # %% [markdown]
 # ## Recap
 #
-# What this machine measured:
+# What this machine measured (the bullets after it add what the tests named there show):
 
 # %%
 same = relay.loss.tolist() == straight.summary["losses"]

@@ -275,7 +275,8 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 #
 # * **One thread per rank, oversubscribed at 4 ranks.** Each rank computes on one core
 #   (`OMP_NUM_THREADS=1`); the peak is that core's. At 4 ranks two ranks share a core, so
-#   each gets at most half its peak: MFU per rank falls. The total need not fall with it (the
+#   each shares its core's peak with another rank: MFU per rank falls (it already falls from 1
+#   to 2 ranks, where no core is shared: the collectives below). The total need not fall with it (the
 #   `total_4_over_2` ratios above, one short job per point): a rank waiting in a gloo
 #   collective leaves its core to the other rank.
 #   On a GPU node every rank has its own device.

@@ -23,8 +23,9 @@
 # activation checkpointing? Can you know it before running, and is the answer right?
 #
 # **What we run.** For one budget per rank, `python -m helpers.estimate` predicts the largest
-# micro-batch of each method; then each method's job runs at that batch (it should fit) and at
-# one more (it should not), two steps each, under `--memory-budget-gib`. On a GPU the budget is
+# micro-batch of each method; then each method's job runs at that batch and walks one sequence
+# at a time until a batch that fits sits next to one that does not, two steps a job, under
+# `--memory-budget-gib`. On a GPU the budget is
 # the allocator's limit (an out-of-memory stops the job with one line); on this CPU the job
 # counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's allocator
 # events over steps 0-1; identical jobs still differ, by the spread printed at the end) and
@@ -257,9 +258,11 @@ ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUDGET_
 ax.legend();
 
 # %% [markdown]
-# Why does ZeRO-3 fit fewer sequences than FULL_SHARD, with the same 16 bytes per parameter at
-# rest? The estimator's categories per rank at the same micro-batch (FSDP `params` are fp32;
-# DeepSpeed's are its bf16 shard, next to the fp32 `master_params`, notebook 02):
+# Why does ZeRO-3 fit fewer sequences than FULL_SHARD here, with the same 16 bytes per
+# parameter at rest? The estimator's categories per rank at the same micro-batch (FSDP
+# `params` are fp32; DeepSpeed's are its bf16 shard, next to the fp32 `master_params`, notebook
+# 02). They add up to about the same; the difference is in which of them are still held when
+# backward starts (below):
 
 # %%
 b = max(int(ours[DS]), 1)
@@ -454,8 +457,8 @@ claim("every row but offload is within 10% plus the spread of the measurement it
 # %% [markdown]
 # The offload row is left out of the worst and median: the estimator models offload as a GPU has
 # it (states in host memory, a device working set), and its CPU prediction adds the host bytes
-# back; on this machine host and device are one memory (notebook 03), so that sum counts
-# twice bytes the job holds once, and the row's error says so.
+# back; on this machine host and device are one memory (notebook 03), so that sum can count
+# bytes twice that the job holds once (the check: the excess stays below the host bytes added).
 #
 # What the estimator leaves out (its module doc, `helpers/estimate.py`), and why the table can
 # still be this close on a CPU:
@@ -495,8 +498,8 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 # * As in the seeds' tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more than
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
 #   sequence at all. DeepSpeed ZeRO-3, with its gradient bucket sized for this model, fit too,
-#   fewer sequences than FULL_SHARD; the estimator counts part of why (it keeps its gradient
-#   partition and a bf16 shard through backward), the runs found less room still.
+#   no more sequences than FULL_SHARD (fewer in this run); the estimator counts part of why (it
+#   keeps its gradient partition and a bf16 shard through backward).
 # * On one RAM, offload did not fit the batch the estimator predicts for a GPU. DeepSpeed's
 #   default gradient bucket (the estimator's count of the config's 5e8 elements) is larger than
 #   this budget, and ZeRO-3's measured peak at batch 1 larger still: it did not fit batch 1.

@@ -139,7 +139,8 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 #   out of host memory.
 # * **ZeRO-3 init**: each parameter is partitioned the moment it is created and filled piece
 #   by piece; only rank 0 reads the file (its `peak_file_MiB` in the table; the others' stays a
-#   few MiB), so no rank ever holds the whole model, rank 0 included. Above its shard a rank
+#   few MiB; rank 0's is the memory-mapped file, page cache, not a copy it made), so no rank
+#   ever holds the whole model in its own (anonymous) memory, rank 0 included. Above its shard a rank
 #   holds DeepSpeed's working memory (parameters gathered while they are filled, buffers),
 #   which we have not broken down: the ZeRO-3 bars do not shrink in proportion to the ranks.
 #

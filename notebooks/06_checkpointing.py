@@ -140,7 +140,8 @@ fig.tight_layout()
 # zero at every step after the first switch (the first K steps are the uninterrupted run's
 # own, where the relay starts). Bit-identical losses over those steps need the weights, Adam's
 # moments and its step counter to have come through both conversions unchanged (the tests
-# compare those tensors themselves: `tests/test_convert_layouts.py`, `tests/test_checkpoint.py`). The check:
+# compare those tensors themselves: `tests/test_convert_layouts.py`, `tests/test_checkpoint.py`).
+# The jump at step 9 is notebook 00's learning-rate bump, on both lines alike. The check:
 
 # %%
 claim("the relay's legs ran on the backends they name, each resumed from the other",

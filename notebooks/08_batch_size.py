@@ -408,8 +408,9 @@ _ = ax.set(ylabel="step time, s", title=f"FULL_SHARD, micro-batch {TIME_BATCH}: 
 #
 # Every run of this notebook measured its peak per rank; here is the estimator's prediction for
 # the same config, model, ranks, micro-batch and sequence length, on the rank where it errs
-# most, `(predicted - measured) / measured`. On a CPU the offload run's prediction adds the bytes
-# it puts on the host: here that is the same memory, and the job's tensors include them.
+# most, `(predicted - measured) / measured`. On a CPU the offload run's prediction adds back the
+# bytes it puts on the host, since here that is the same memory; that can count some bytes
+# twice (the paragraph after the table).
 
 # %%
 names = [*PLAN, "offload", "zero3"] + [f"time_{c}_{rep}" for c in ("full_shard", "full_shard_ac") for rep in (1, 2)]

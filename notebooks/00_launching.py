@@ -70,7 +70,9 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 
 # %% [markdown]
 # A config is checked before any process starts. `python -m helpers.config` runs the
-# same check on its own, so you can validate an edited file first:
+# same check on its own, so you can validate an edited file first. Its `note:` lines name the
+# keys that have no effect here (the three that only `accelerate launch` reads, to start the
+# processes, are in every shipped file):
 
 # %% language="bash"
 # python -m helpers.config launch_configs/fsdp/full_shard.yaml --world-size $NPROC

@@ -219,7 +219,8 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
 # * **SHARD_GRAD_OP vs FULL_SHARD.** Identical at rest. The difference is in between:
 #   SHARD_GRAD_OP keeps each unit's gathered weights from forward until its backward
 #   (no second all-gather), FULL_SHARD frees them and gathers again; notebook 08 counts it
-#   per rank (`peak_tensor_bytes`), with the batch it costs.
+#   per rank (`peak_tensor_bytes`), with the batch it costs. (The process peaks at the end of
+#   this notebook do not isolate it: they hold everything a process holds.)
 #
 # The identity from notebook 00 holds at every world size we ran on the CPU (gloo). Under
 # nccl beyond 2 ranks the two backends may sum in another order (`nb.bitwise_parity_expected`;
@@ -320,7 +321,8 @@ recap
 #   not in bytes: the recap table); ZeRO-1 has no FSDP twin. "=" is about what is sharded:
 #   FULL_SHARD, NO_SHARD, ZeRO-1/2/3 trained identically over these short runs, ZeRO-0
 #   (bf16) did not. HYBRID_SHARD is not in that list: its 4-rank run ended a little away from
-#   FULL_SHARD's (the recap's final losses); we have not traced where it parts.
+#   FULL_SHARD's (the final losses in the job lines at the top); we have not traced where it
+#   parts.
 # * Every measured category was within 5% of the ZeRO model, on every rank, except ZeRO-1/2
 #   gradients: up to two boundary parameters' whole gradients on top of the 1/N slice.
 # * Fully sharded state at 4 ranks is a quarter of 1 rank's.

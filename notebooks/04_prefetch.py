@@ -189,7 +189,8 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # prefetch moves gathers earlier, and since gloo runs each collective on its own thread, an
 # early gather can proceed while the training thread computes (the intro). Whether either was
 # faster here is the verdict; the next table shows where the time went (compare "both at once"
-# before reading a speed-up as overlap):
+# before reading a speed-up as overlap; where the compute lane moves instead, we have not
+# found why, and with two steps a job it may be noise):
 
 # %%
 for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):

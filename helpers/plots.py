@@ -153,7 +153,8 @@ def timeline(runs: list[Run], labels: list[str] | None = None, step: int | None 
 
     labels = labels or [r.label for r in runs]
     if axes is None:
-        _, axes = plt.subplots(len(runs), 1, sharex=True, figsize=(10, 1.2 + 1.1 * len(runs)), squeeze=False)
+        _, axes = plt.subplots(len(runs), 1, sharex=True, figsize=(10, 1.2 + 1.5 * len(runs)), squeeze=False,
+                               layout="constrained")  # room for each panel's title above the one before
         axes = axes[:, 0]
     for ax, run, label in zip(axes, runs, labels, strict=True):
         ev, ph = traces.events(run), traces.phases(run)
@@ -200,8 +201,9 @@ def location_bars(runs: list[Run], labels: list[str] | None = None, axes=None, r
     from .offload import LOCATIONS
 
     if axes is None:
-        _, axes = plt.subplots(1, len(LOCATIONS), sharey=True, figsize=(12, 3.8))
+        _, axes = plt.subplots(1, len(LOCATIONS), sharey=True, figsize=(12, 4.4))
     labels = labels or [r.label for r in runs]
+    ticks = [lab.replace(" + ", " +\n").replace(", ", ",\n") for lab in labels]  # long run names on two lines
     for ax, where in zip(axes, LOCATIONS, strict=True):
         bottom = [0.0] * len(runs)
         for cat in CATEGORIES:
@@ -209,7 +211,7 @@ def location_bars(runs: list[Run], labels: list[str] | None = None, axes=None, r
             ax.bar(labels, mb, bottom=bottom, label=cat, color=CATEGORY_COLORS[cat])
             bottom = [b + m for b, m in zip(bottom, mb, strict=True)]
         ax.set_title(where)
-        ax.tick_params(axis="x", rotation=30)
+        ax.set_xticks(range(len(labels)), ticks, rotation=30, ha="right", fontsize=8)
     axes[0].set_ylabel("MB" if unit == 1e6 else f"x {unit:g} bytes")
     axes[-1].legend(fontsize=8)
     return axes

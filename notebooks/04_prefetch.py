@@ -255,6 +255,7 @@ utab.insert(2, "expected_all_gathers", [wrap.expected_collectives(
     u, wr[k].config["fsdp"]["reshard_after_forward"])["all_gathers"] for k, u in units.items()] + [None, None])
 utab.insert(3, "expected_reduce_scatters", [wrap.expected_collectives(u, True)["reduce_scatters"]
                                            for u in units.values()] + [None, None])
+utab = utab.astype({c: "Int64" for c in ("units", "expected_all_gathers", "expected_reduce_scatters")})  # counts
 utab["MB_per_all_gather"] = utab.all_gather_MB / utab.all_gathers
 print("\n".join(ln for ln in (wr["size-based"].path / "log.txt").read_text().splitlines()
                 if ln.startswith("note: fsdp_auto_wrap_policy")))  # where the guide differs, the job said so

@@ -152,7 +152,7 @@ claim("the model learns: the final loss is over 0.5 below the first", fsdp.summa
 # (a loss near ln 97 = 4.57) and then the progressions; once it has pushed the other ids
 # down, one Adam step at 3e-3 overshoots and gives some of that probability back (our reading:
 # the run below tests the rate, not the mechanism). The same job at a third of the rate, for the
-# same number of steps, passes that loss without a jump:
+# same number of steps, shows no such jump (at full size it passes that loss on the way):
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
@@ -168,8 +168,10 @@ if NPROC == 2:  # where the bump falls depends on each rank's slice of the batch
           m.loss[9] > m.loss[8] + 0.3 and m.grad_norm[9] > 10 and m.loss[10] < m.loss[8] + 0.05,
           loss_8_9_10=m.loss.loc[8:10].round(3).tolist(), grad_norm_9=m.grad_norm[9])
 rise = slow.loss.diff().max()
-claim(f"at lr 1e-3 no step raises the loss by more than 0.1, and the run passes ln 97 = {math.log(97):.2f} on the way",
-      rise < 0.1 and slow.loss.min() < math.log(97), largest_rise=rise, lowest=slow.loss.min())
+claim("at lr 1e-3 no step raises the loss by more than 0.1", rise < 0.1, largest_rise=rise)
+if SIZE == "full":  # 12 quick steps at 1e-3 do not get that far
+    claim(f"and that run passes ln 97 = {math.log(97):.2f} on the way, where the 3e-3 run jumped",
+          slow.loss.min() < math.log(97), lowest=slow.loss.min())
 
 # %% [markdown]
 # ## When the config is wrong

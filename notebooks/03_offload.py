@@ -162,8 +162,8 @@ axes[0].figure.tight_layout()
 # * **Params + optimizer** moves the bf16 parameter partitions to the host too. The
 #   "persistent" small parameters that ZeRO-3 keeps whole stay next to the compute - in
 #   this tiny model that is every decoder-layer weight, so "device" keeps most params.
-# * **NVMe**: the fp32 master and Adam's states are swap files on disk (one flat buffer
-#   per rank, over 1 MiB). The parameter partitions are each under 1 MiB, so DeepSpeed
+# * **NVMe**: the fp32 master and Adam's states are swap files on disk (one flat buffer per
+#   kind of state per rank, each over 1 MiB: the swap-file count is printed below). The parameter partitions are each under 1 MiB, so DeepSpeed
 #   keeps them in host memory instead of swapping them.
 
 # %%

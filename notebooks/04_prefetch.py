@@ -187,8 +187,9 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # their spreads (two steps each: a rough look). ZeRO-3 without prefetch pays one gloo call per
 # parameter tensor, in forward and again in backward, where the bucket pays one; FSDP's
 # prefetch moves gathers earlier, and since gloo runs each collective on its own thread, an
-# early gather can proceed while the training thread computes (the intro). Whether either was
-# faster here is the verdict; the next table shows where the time went (compare "both at once"
+# early gather can proceed while the training thread computes (the intro), and it can also
+# compete with that thread for the same cores. Whether either was faster or slower here is the
+# verdict; the next table shows where the time went (compare "both at once"
 # before reading a speed-up as overlap; where the compute lane moves instead, we have not
 # found why, and with two steps a job it may be noise):
 

@@ -180,12 +180,11 @@ _TOP_READ = {"distributed_type", "mixed_precision", "fsdp_config", "deepspeed_co
 # Why a key Accelerate accepts has no effect here; the job logs one `note:` line per such key that asks for
 # something (a value other than false / "no" / empty). By key, then by section, then by prefix.
 LAUNCHER_ONLY = "read by accelerate launch to start the processes; here torchrun (or helpers.launch) starts them"
-_LAUNCHER = LAUNCHER_ONLY
 _TPU = "a TPU setting; this guide runs on CPUs (gloo) and CUDA GPUs (nccl)"
 _NO_EFFECT_KEY = {
     **dict.fromkeys(["compute_environment", "num_processes", "num_machines", "machine_rank", "main_process_ip",
                      "main_process_port", "rdzv_backend", "same_network", "gpu_ids", "main_training_function",
-                     "enable_cpu_affinity"], _LAUNCHER),
+                     "enable_cpu_affinity"], LAUNCHER_ONLY),
     **dict.fromkeys(["tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env", "command_file",
                      "commands", "downcast_bf16"], _TPU),
     "debug": "accelerate launch's collective checks (ACCELERATE_DEBUG_MODE); this guide does not run them",

@@ -223,7 +223,7 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
         ds.save_checkpoint(str(tmp / "ds"), tag="ds", client_state={}, save_latest=False)
         # under ZeRO-3 the model files hold no weights: the fp32 partitions and Adam's moments are in the
         # optimizer files (the bf16 module copy is rebuilt from them on load)
-        dtypes = {"model": [] if engine.engine.zero_optimization_stage() == 3 else
+        dtypes = {"model": [] if ds.zero_optimization_stage() == 3 else
                   [str(next(engine.module.parameters()).dtype).removeprefix("torch.")], "optim": ["float32"]}
         if job.deepspeed.zero3_save_16bit_model:
             t0 = time.perf_counter()

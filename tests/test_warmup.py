@@ -4,6 +4,8 @@ import os
 import subprocess
 import time
 
+import pytest
+
 from helpers.warmup import clear_stale_locks
 
 
@@ -53,3 +55,23 @@ def test_ops_build_into_the_checkout_unless_told_otherwise(tmp_path):
     given = subprocess.run([sys.executable, "-c", code], cwd=repo, env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
                            capture_output=True, text=True, check=True)
     assert given.stdout.strip() == str(tmp_path)
+
+
+def test_ops_build_with_the_venvs_ninja_when_the_venv_is_not_activated(tmp_path):
+    """A second ninja on PATH (/usr/bin's, another version) cannot read the venv ninja's build log and rebuilds
+    every op from scratch; ``import helpers`` puts the venv's bin first, so both builds use the same one."""
+    import shutil
+    import sys
+
+    venv_bin = os.path.dirname(sys.executable)
+    if not os.path.exists(os.path.join(venv_bin, "ninja")):
+        pytest.skip(f"no ninja next to {sys.executable}")
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 0.0-other\n")
+    other.chmod(0o755)
+    code = "import helpers, shutil, subprocess; print(subprocess.check_output(['ninja', '--version'], text=True))"
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}/usr/bin{os.pathsep}/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    want = subprocess.check_output([os.path.join(venv_bin, "ninja"), "--version"], text=True)
+    assert out.stdout.strip() == want.strip() != "0.0-other"
+    assert shutil.which("ninja", path=env["PATH"]) == str(other)  # without helpers, the other one would run

@@ -22,7 +22,9 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     forward to backward (the whole model, plus one unit's gradient).
 ``comm_buckets``  DeepSpeed ZeRO-1/2/3's contiguous gradient bucket: ``reduce_bucket_size`` elements of
     the gradient dtype (two with ``overlap_comm`` on ZeRO-1/2), allocated whole, whatever the model size.
-``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param).
+``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param), counted
+    at the optimizer step only (measured: the start of backward does not hold them; with them there,
+    every ZeRO-0 row of ``benchmarks/estimate_grid.py`` was over-predicted by exactly their size).
 ``loss_transient``  the backward of the loss: the fp32 gradients of the log-probs and of the logits,
     2 x tokens x vocab x 4.
 ``optimizer_step``  the optimizer step's temporaries (``optimizer_temporary``); 0 when the optimizer is
@@ -30,17 +32,21 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
 ``host`` / ``disk``  state offloaded (FSDP ``fsdp_offload_params``; DeepSpeed ``offload_optimizer`` /
     ``offload_param`` to cpu or nvme): moved out of the device categories.
 
-``peak_bytes_per_rank`` is the larger of two moments. The start of backward: state on the device +
-comm buckets + master_grads + gathered unit + activations + loss transient, less the gradients,
-which do not exist yet (FSDP and DeepSpeed free them after each step; ZeRO-3 keeps one gradient
-buffer from start-up; under NO_SHARD the output layer's gradient is counted); with checkpointing,
-the larger of the checkpointed column without its one recomputed block + loss transient, and the
-column without the head's part (the loss's backward is over before the first block is recomputed);
-on ZeRO-1/2 the bucket is allocated at the first gradient, once the loss's gradients and the head's
-activations are freed (the logits' gradient in the compute dtype and the head's weight gradient are
-alive), so there the moment is the larger of the end of forward without the bucket and that one.
-The optimizer step: all of the state, buckets, master_grads, the gathered unit and optimizer_step,
-no activations.
+``peak_bytes_per_rank`` is the largest of three moments. The start of backward: state on the
+device + comm buckets + gathered unit + activations + loss transient, less the gradients, which do
+not exist yet (FSDP and DeepSpeed free them after each step; ZeRO-3 keeps one gradient buffer from
+start-up; under NO_SHARD the output layer's gradient is counted); with checkpointing, the larger of
+the checkpointed column without its one recomputed block + loss transient, and the column without
+the head's part (the loss's backward is over before the first block is recomputed); on ZeRO-1/2 the
+bucket is allocated at the first gradient, once the loss's gradients and the head's activations are
+freed (the logits' gradient in the compute dtype and the head's weight gradient are alive), so there
+the moment is the larger of the end of forward without the bucket and that one. FSDP, the end of
+backward: the root unit (embeddings, head) is the last to reduce its gradients, when the activations
+are gone; all of the state, with that unit's gathered weights and unsharded gradients (the gathered
+unit), and across ranks the reduce-scatter's copy of those gradients (one more unit in the compute
+dtype). The optimizer step: all of the state, buckets, master_grads and optimizer_step, no
+activations; every unit has been resharded by then (FSDP, ZeRO-3), except under NO_SHARD, where the
+root unit's compute-dtype copy is still alive (measured).
 
 Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
 CUDA context, temporaries of single ops (a matmul's output before it is saved), gloo's and nccl's own
@@ -216,20 +222,24 @@ def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float
 
 
 def optimizer_temporary(job, shapes: Shapes, world_size: int) -> int:
-    """Bytes the optimizer step allocates for a moment: AdamW (``foreach=False``) makes one temporary the
-    size of the tensor it steps (``exp_avg_sq.sqrt()``). FSDP steps each parameter's shard, ZeRO-0 each
-    fp32 master param, ZeRO-1/2 one flat fp32 partition; ZeRO-3 also makes the fp32 copy of its gradient
-    partition at the step: two partitions (benchmarks/estimate_grid.py measures about 2.5 on ``small``)."""
+    """Bytes the optimizer step allocates for a moment. AdamW (``foreach=False``) computes its denominator as
+    ``exp_avg_sq.sqrt() / bias_correction``: two temporaries the size of the tensor it steps, alive
+    together. FSDP steps each parameter's shard and ZeRO-0 each fp32 master param: two of the largest.
+    ZeRO-1/2 step one flat fp32 partition: one partition is counted, an approximation (on one rank
+    ``benchmarks/estimate_grid.py`` measures between none, on ``small``, where backward with the bucket
+    is the larger moment, and 1.35 partitions, on ``medium``, above the state and the bucket). ZeRO-3
+    also makes the fp32 copy of its gradient partition at the step: three partitions (measured exactly
+    on one rank, same benchmark)."""
     key = mapping.mode_key(job)
     fp32 = 4 if job.mixed_precision == "bf16" or job.train.model_dtype == "fp32" else 2
     largest = max(math.prod(s) for s in shapes.params)
     if job.backend == "fsdp":
         group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
-        return fp32 * max(-(-s[0] // group) * math.prod(s[1:]) if s else 1 for s in shapes.params)
+        return 2 * fp32 * max(-(-s[0] // group) * math.prod(s[1:]) if s else 1 for s in shapes.params)
     stage = int(_zero(job).get("stage", 0))
     if stage == 0:
-        return 4 * largest
-    return (2 if stage == 3 else 1) * 4 * -(-shapes.numel // world_size)
+        return 2 * 4 * largest
+    return (3 if stage == 3 else 1) * 4 * -(-shapes.numel // world_size)
 
 
 def compute_bytes(job) -> int:
@@ -263,7 +273,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         copies = 2 if stage < 3 and zo.get("overlap_comm", False) else 1
         buckets = copies * int(float(zo.get("reduce_bucket_size", 5e8))) * grad_bytes
     if stage == 0 and job.mixed_precision == "bf16":
-        master_grads = 4 * shapes.numel  # the fp32 master's gradients, kept between steps
+        master_grads = 4 * shapes.numel  # the fp32 master's gradients (at the step; see the module doc)
     step_temp = 0 if "optimizer_states" in offloaded(key, job) else optimizer_temporary(job, shapes, world_size)
     tokens_v = micro_batch * seq_len * shapes.cfg.vocab_size
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
@@ -291,8 +301,15 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
                 tokens = micro_batch * seq_len
                 start -= block_per_token(shapes.cfg, c) * tokens
                 start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
-            backward = at_rest - grads + start
-        peaks.append(max(backward, at_rest + step_temp))
+            backward = at_rest - grads - master_grads + start  # ZeRO-0's fp32 gradients: made at the step
+        state_bytes = int(sum(device.values()))
+        if job.backend == "fsdp":  # the root unit's reduce-scatter ends backward; every unit is resharded after it
+            group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+            end = state_bytes + (2 + (group > 1)) * c * unit
+            step = state_bytes + (c * unit if key == "no_shard" else 0) + step_temp
+        else:
+            end, step = 0, at_rest - gathered + step_temp
+        peaks.append(max(backward, end, step))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
             "num_params": shapes.numel, "activation_checkpointing": checkpointing(job),

@@ -70,8 +70,12 @@ lab-refresh:
 
 test: setup lint test-unit test-notebooks
 
+# Two test files at a time (pytest-xdist; one file's tests stay together, so its shared runs are made
+# once): a job's ranks leave cores idle while they start and wait on each other. On a GPU node, where
+# every nccl job takes all the GPUs it names: make test-unit TEST_WORKERS=1.
+TEST_WORKERS ?= 2
 test-unit: setup
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # nbval executes every notebook; GUIDE_SIZE=quick runs the same cells with fewer steps
 test-notebooks: setup

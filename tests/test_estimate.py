@@ -112,13 +112,14 @@ def test_widget_uses_the_same_offload_rules():
 @pytest.mark.cpu_only("a GPU's peak is the allocator's, which the estimator leaves above it")
 @pytest.mark.parametrize("config", ["launch_configs/deepspeed/zero0.yaml", "launch_configs/deepspeed/zero3.yaml"])
 def test_one_rank_peak_equals_a_real_job(tmp_path, config):
-    """On one rank the step is the peak here, and the estimator's step is exact: AdamW's two temporaries,
+    """On one rank the step is the peak here, and the estimator counts it (identical jobs measure up to about 1%
+    apart; 2% allowed): AdamW's two temporaries,
     ZeRO-0's fp32 gradients made for the step (not held through backward), ZeRO-3's three partitions.
-    ``small``: there a wrong count of any of them moves the prediction by 3% or more (tiny's would drown in
+    ``small``: there a wrong count of any of them moves the prediction by over 3% (tiny's would drown in
     ZeRO-3's 1 GB gradient bucket)."""
     proc = run_job(config, tmp_path, 0, "--model", "small", "--steps", "3", "--micro-batch", "2",
                    "--seq-len", "64")
     assert proc.returncode == 0, proc.stderr[-3000:]
     measured = summary(tmp_path)["peak_tensor_bytes"][0]
     predicted = est.run(args(config, "small", world_size=1, micro_batch=2, seq_len=64))["peak_bytes_per_rank"][0]
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)  # identical jobs: about 1% apart

@@ -126,7 +126,9 @@ claim("the states are a real share of this budget: NO_SHARD's params, grads and 
 
 # %% [markdown]
 # That is why this model and budget: at a budget far above the states, the methods' different
-# states are a small part of it and activations decide; far below, nothing fits. The estimator's
+# states are a small part of it and activations decide; far below, nothing fits. (The offload
+# row above is the estimator's device bytes, as on a GPU, where its states sit on the host;
+# on this machine they are in the same RAM.) The estimator's
 # answer for each row (on this CPU the offload rows take FULL_SHARD's: what offload moves to
 # the host stays in the one memory the budget counts; on a GPU they get their own):
 
@@ -141,7 +143,8 @@ os.environ["ROWS"] = " ".join(f"{key}:{cfg}:{best}" for key, (_, _, cfg, best) i
 # step 1 with one `error:` line (each job's last line is printed). A prediction can miss, so the
 # cell then walks one sequence at a time toward the answer: up while the batch fits, down while
 # it does not, until a batch that fits sits next to one that does not (or batch 1 does not fit).
-# When the prediction is right, that is two jobs: the predicted batch and one more.
+# When the prediction is right, that is two jobs: the predicted batch and one more (one job
+# when nothing is predicted to fit and batch 1 does not).
 
 # %% language="bash"
 # run() {  # run NAME CONFIG BATCH: one job, its last line
@@ -305,8 +308,8 @@ claim("at rest ZeRO-3 holds the same state bytes as FULL_SHARD (params, master, 
 # working set counts against its memory. The estimator predicts that for a GPU (host bytes out
 # of the device peak). This machine has one RAM: the states offloaded to "the host" are still
 # tensors of the job, counted by `peak_tensor_bytes`, so offload cannot make that room here. The
-# table's offload rows are the runs that show it, next to the batch the estimator predicts for a
-# GPU with this budget.
+# table's offload rows are the runs that show it; the line below prints their answer next to the
+# batch the estimator predicts for a GPU with this budget.
 #
 # The table's DeepSpeed row changed one key of the shipped `zero3.json`. The shipped ZeRO-1/2/3
 # configs keep DeepSpeed's default `reduce_bucket_size` (5e8 elements): one contiguous gradient

@@ -44,7 +44,8 @@ the moment is the larger of the end of forward without the bucket and that one. 
 backward: the root unit (embeddings, head) is the last to reduce its gradients, when the activations
 are gone; all of the state, with that unit's gathered weights and unsharded gradients (the gathered
 unit), and across ranks the reduce-scatter's copy of those gradients (one more unit in the compute
-dtype). The optimizer step: all of the state, buckets, master_grads and optimizer_step, no
+dtype). (The estimator takes the largest unit for it: in the guide's models that is the root.) The optimizer
+step: all of the state, buckets, master_grads and optimizer_step, no
 activations; every unit has been resharded by then (FSDP, ZeRO-3), except under NO_SHARD, where the
 root unit's compute-dtype copy is still alive (measured).
 
@@ -303,7 +304,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
                 start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
             backward = at_rest - grads - master_grads + start  # ZeRO-0's fp32 gradients: made at the step
         state_bytes = int(sum(device.values()))
-        if job.backend == "fsdp":  # the root unit's reduce-scatter ends backward; every unit is resharded after it
+        if job.backend == "fsdp":  # the root (largest) unit reduce-scatters last; every unit is resharded after it
             group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
             end = state_bytes + (2 + (group > 1)) * c * unit
             step = state_bytes + (c * unit if key == "no_shard" else 0) + step_temp
@@ -398,8 +399,10 @@ def table(e: dict) -> str:
         lines.append(f"{cat:26} " + " ".join(f"{row[cat] / 2**20:10.1f}" for row in e["categories_per_rank"]))
     used = "activations_checkpointed" if e["activation_checkpointing"] else "activations"
     lines.append(f"{'predicted peak':26} " + " ".join(f"{p / 2**20:10.1f}" for p in e["peak_bytes_per_rank"]))
-    lines.append(f"(peak: the larger of the start of backward, device state less grads + comm_buckets + "
-                 f"master_grads + gathered_unit + {used} + loss_transient, and the step: state + optimizer_step)")
+    lines.append(f"(peak: the largest of the start of backward, device state less grads + comm_buckets + "
+                 f"gathered_unit + {used} + loss_transient; under FSDP the end of backward, state + the largest "
+                 f"unit's gathered weights, gradients and reduce-scatter copy; and the step, state + comm_buckets + "
+                 f"master_grads + optimizer_step: python -m helpers.estimate's module doc)")
     if "budget_gib" in e:
         verdict = "fits" if e["fits"] else "does not fit"
         lines.append(f"budget {e['budget_gib']} GiB per rank: {verdict}; largest micro-batch that fits: "

@@ -192,6 +192,11 @@ def _zero(job) -> dict:
     return job.deepspeed.json.get("zero_optimization", {}) if job.backend == "deepspeed" else {}
 
 
+def _shard_group(job, key: str, world_size: int) -> int:
+    """How many ranks an FSDP parameter is sharded over: 1 under NO_SHARD, the shard group under HSDP."""
+    return 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+
+
 def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float]]:
     """params, grads, optimizer_states, master_params of each rank (see the module doc)."""
     theory = mapping.job_theory_bytes(job, shapes.numel, world_size)
@@ -206,7 +211,7 @@ def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float
             per = 2 if job.mixed_precision == "bf16" else 4
             out["params"] += per * whole * (1 - 1 / world_size)
         return [out] * world_size
-    group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+    group = _shard_group(job, key, world_size)
     per = mapping.bytes_per_param("fsdp", job.mixed_precision, 4 if job.train.model_dtype == "fp32" else 2)
     ranks = []
     for r in range(world_size):
@@ -235,7 +240,7 @@ def optimizer_temporary(job, shapes: Shapes, world_size: int) -> int:
     fp32 = 4 if job.mixed_precision == "bf16" or job.train.model_dtype == "fp32" else 2
     largest = max(math.prod(s) for s in shapes.params)
     if job.backend == "fsdp":
-        group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+        group = _shard_group(job, key, world_size)
         return 2 * fp32 * max(-(-s[0] // group) * math.prod(s[1:]) if s else 1 for s in shapes.params)
     stage = int(_zero(job).get("stage", 0))
     if stage == 0:
@@ -305,7 +310,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
             backward = at_rest - grads - master_grads + start  # ZeRO-0's fp32 gradients: made at the step
         state_bytes = int(sum(device.values()))
         if job.backend == "fsdp":  # the root (largest) unit reduce-scatters last; every unit is resharded after it
-            group = 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
+            group = _shard_group(job, key, world_size)
             end = state_bytes + (2 + (group > 1)) * c * unit
             step = state_bytes + (c * unit if key == "no_shard" else 0) + step_temp
         else:

@@ -293,7 +293,8 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         device, host, disk = split_state(state, moved)
         row = {**{k: int(v) for k, v in device.items()}, **extra,
                "host": int(sum(host.values())), "disk": int(sum(disk.values()))}
-        at_rest = int(sum(device.values())) + buckets + master_grads + gathered
+        state_bytes = int(sum(device.values()))
+        at_rest = state_bytes + buckets + master_grads + gathered
         grads = 0 if grads_between_steps else row["grads"]
         if stage in (1, 2):  # the bucket is made at the first gradient, once the loss and the head are done
             head = head_per_token(shapes.cfg, c) * micro_batch * seq_len
@@ -308,7 +309,6 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
                 start -= block_per_token(shapes.cfg, c) * tokens
                 start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
             backward = at_rest - grads - master_grads + start  # ZeRO-0's fp32 gradients: made at the step
-        state_bytes = int(sum(device.values()))
         if job.backend == "fsdp":  # the root (largest) unit reduce-scatters last; every unit is resharded after it
             group = _shard_group(job, key, world_size)
             end = state_bytes + (2 + (group > 1)) * c * unit

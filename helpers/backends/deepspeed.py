@@ -18,6 +18,8 @@ An ``activation_checkpointing`` object in the JSON turns on the model's own
 from __future__ import annotations
 
 import copy
+import importlib
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -112,6 +114,7 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
     ds_config, _ = resolved_ds_config(job, dist.get_world_size(), hidden, device.type)
     model.to(device)
     checkpointing = recompute.apply(model, job, device)  # the JSON's activation_checkpointing section
+    _import_muon_eagerly(ds_config)
     if "optimizer" in ds_config:  # DeepSpeed builds optimizer (and scheduler) from the JSON
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=ds_config)
@@ -125,6 +128,33 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
     out = DeepSpeedEngine(engine, optimizer)
     out.activation_checkpointing = checkpointing
     return out
+
+
+def _import_muon_eagerly(ds_config: dict) -> None:
+    """Import DeepSpeed's Muon module with its functions left uncompiled, unless the JSON asks for Muon.
+
+    ZeRO's optimizer check (and ZeRO-3's constructor) import that module to ask whether the optimizer
+    is a Muon; at import it wraps its update functions in ``torch.compile``, which loads
+    ``torch._inductor``'s compiler: about 1 s of every DeepSpeed job's start-up, for an optimizer the
+    job does not run. Imported once here through DeepSpeed's own fallback for a torch without
+    ``torch.compile`` (``compiler.dummy_decorator``), the module and its class are the real ones, and
+    the later imports find it loaded.
+    """
+    if MUON in sys.modules or str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon":
+        return
+    from deepspeed.runtime import compiler
+
+    compile_ = compiler.compile
+    compiler.compile = lambda: compiler.dummy_decorator
+    try:
+        importlib.import_module(MUON)
+    except ImportError:  # another DeepSpeed version: nothing to spare
+        pass
+    finally:
+        compiler.compile = compile_
+
+
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 class DeepSpeedEngine:

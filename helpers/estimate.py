@@ -20,8 +20,21 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
 ``gathered_unit``  FSDP / ZeRO-3: the largest unit gathered whole in the compute dtype, with its
     unsharded gradient before the reduce-scatter (2 x); SHARD_GRAD_OP keeps every unit gathered from
     forward to backward (the whole model, plus one unit's gradient).
+``gathered_at_backward``  DeepSpeed ZeRO-3 across ranks: the parameters still gathered from forward when
+    backward starts (``zero3_kept_gathered``): once the first step has traced the module order, a
+    parameter is not released after its forward if the step uses it again within
+    ``stage3_max_reuse_distance`` elements, and every parameter is used again in backward; with the
+    default distance (1e9) that is every parameter not kept whole anyway, in the compute dtype. It takes
+    the gathered unit's place at the start of backward. On one rank a parameter is its own partition:
+    nothing is copied (measured, ``benchmarks/estimate_grid.py``: ``small`` on two ranks holds 30 gathered
+    tensors, the whole model in bf16, at the start of backward; on one rank none).
 ``comm_buckets``  DeepSpeed ZeRO-1/2/3's contiguous gradient bucket: ``reduce_bucket_size`` elements of
     the gradient dtype (two with ``overlap_comm`` on ZeRO-1/2), allocated whole, whatever the model size.
+``reduce_scatter_copies``  DeepSpeed ZeRO-3 across ranks, at the end of backward: the bucket's gradients
+    reduce-scattered in one call (up to ``reduce_bucket_size`` elements, here often the whole gradient),
+    copied twice, in the gradient dtype: DeepSpeed interleaves every rank's slices into one new flat
+    tensor (``reduce_scatter_coalesced``, a ``torch.cat``), and gloo's reduce-scatter clones its input
+    (measured on this CPU; nccl reduces from the input, where the second copy over-counts).
 ``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param), counted
     at the optimizer step only (measured: the start of backward does not hold them; with them there,
     every ZeRO-0 row of ``benchmarks/estimate_grid.py`` was over-predicted by exactly their size).
@@ -33,7 +46,8 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     ``offload_param`` to cpu or nvme): moved out of the device categories.
 
 ``peak_bytes_per_rank`` is the largest of three moments. The start of backward: state on the
-device + comm buckets + gathered unit + activations + loss transient, less the gradients, which do
+device + comm buckets + gathered unit (ZeRO-3 across ranks: gathered_at_backward instead) + activations
++ loss transient, less the gradients, which do
 not exist yet (FSDP and DeepSpeed free them after each step; ZeRO-3 keeps one gradient buffer from
 start-up; under NO_SHARD the output layer's gradient is counted); with checkpointing, the larger of
 the checkpointed column without its one recomputed block + loss transient, and the column without
@@ -44,7 +58,9 @@ the moment is the larger of the end of forward without the bucket and that one. 
 backward: the root unit (embeddings, head) is the last to reduce its gradients, when the activations
 are gone; all of the state, with that unit's gathered weights and unsharded gradients (the gathered
 unit), and across ranks the reduce-scatter's copy of those gradients (one more unit in the compute
-dtype). (The estimator takes the largest unit for it: in the guide's models that is the root.) The optimizer
+dtype). (The estimator takes the largest unit for it: in the guide's models that is the root.)
+DeepSpeed ZeRO-3 across ranks, the end of backward: the state, the bucket, the reduce-scatter copies
+and the largest parameter still gathered (the input embedding, the last one backward uses). The optimizer
 step: all of the state, buckets, master_grads and optimizer_step, no
 activations; every unit has been resharded by then (FSDP, ZeRO-3), except under NO_SHARD, where the
 root unit's compute-dtype copy is still alive (measured).
@@ -227,6 +243,25 @@ def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float
     return ranks
 
 
+def zero3_kept_gathered(job, shapes: Shapes, world_size: int) -> int:
+    """Elements ZeRO-3 keeps gathered from forward into backward (see ``gathered_at_backward``): walking the
+    parameters from the last one forward, one is kept while the step's trace reaches its use in backward
+    within the reuse distance (about twice the elements after it: their forward and their backward)."""
+    zo = _zero(job)
+    if world_size == 1 or int(zo.get("stage", 0)) != 3:
+        return 0
+    threshold = int(float(zo.get("stage3_param_persistence_threshold", 100_000)))
+    reuse = int(float(zo.get("stage3_max_reuse_distance", 1e9)))
+    kept = after = 0
+    for n in reversed([math.prod(s) for s in shapes.params]):
+        if n < threshold:
+            continue  # persistent: whole on every rank, in the state already
+        if 2 * after <= reuse:
+            kept += n
+        after += n
+    return kept
+
+
 def optimizer_temporary(job, shapes: Shapes, world_size: int) -> int:
     """Bytes the optimizer step allocates for a moment. AdamW (``foreach=False``) computes its denominator as
     ``exp_avg_sq.sqrt() / bias_correction``: two temporaries the size of the tensor it steps, alive
@@ -274,15 +309,22 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         gathered = 0
     buckets = master_grads = 0
     stage = int(zo.get("stage", 0)) if job.backend == "deepspeed" else None
+    grad_bytes = c
+    if stage is not None and job.deepspeed.json.get("data_types", {}).get("grad_accum_dtype") == "fp32":
+        grad_bytes = 4
     if stage and zo.get("contiguous_gradients", True):
-        grad_bytes = 4 if job.deepspeed.json.get("data_types", {}).get("grad_accum_dtype") == "fp32" else c
         copies = 2 if stage < 3 and zo.get("overlap_comm", False) else 1
         buckets = copies * int(float(zo.get("reduce_bucket_size", 5e8))) * grad_bytes
     if stage == 0 and job.mixed_precision == "bf16":
         master_grads = 4 * shapes.numel  # the fp32 master's gradients (at the step; see the module doc)
     step_temp = 0 if "optimizer_states" in offloaded(key, job) else optimizer_temporary(job, shapes, world_size)
     tokens_v = micro_batch * seq_len * shapes.cfg.vocab_size
+    held = c * zero3_kept_gathered(job, shapes, world_size)
+    rs_copies = 0
+    if held:  # ZeRO-3 across ranks: the bucket's reduce-scatter copies (see the module doc)
+        rs_copies = 2 * grad_bytes * min(shapes.numel, int(float(zo.get("reduce_bucket_size", 5e8))))
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
+             "gathered_at_backward": held, "reduce_scatter_copies": rs_copies,
              "optimizer_step": step_temp, "comm_buckets": buckets, "master_grads": master_grads,
              "loss_transient": 8 * tokens_v}
     moved = offloaded(key, job)
@@ -309,12 +351,16 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
                 start -= block_per_token(shapes.cfg, c) * tokens
                 start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
             backward = at_rest - grads - master_grads + start  # ZeRO-0's fp32 gradients: made at the step
+            if held:  # ZeRO-3 across ranks: forward's gathered parameters, in the gathered unit's place
+                backward += held - gathered
         if job.backend == "fsdp":  # the root (largest) unit reduce-scatters last; every unit is resharded after it
             group = _shard_group(job, key, world_size)
             end = state_bytes + (2 + (group > 1)) * c * unit
             step = state_bytes + (c * unit if key == "no_shard" else 0) + step_temp
         else:
-            end, step = 0, at_rest - gathered + step_temp
+            step = at_rest - gathered + step_temp
+            largest = c * max(math.prod(s) for s in shapes.params)
+            end = at_rest - gathered + largest + rs_copies if rs_copies else 0
         peaks.append(max(backward, end, step))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
@@ -395,7 +441,8 @@ def run(args) -> dict:
 
 
 def table(e: dict) -> str:
-    cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "optimizer_step", "activations",
+    cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "gathered_at_backward", "reduce_scatter_copies",
+            "optimizer_step", "activations",
             "activations_checkpointed", "loss_transient", "host", "disk"]
     lines = [f"{e['mode_key']}, {e['num_params'] / 1e6:.2f}M params, {e['world_size']} ranks, micro-batch "
              f"{e['micro_batch']} x {e['seq_len']} tokens (MiB per rank)",
@@ -405,9 +452,11 @@ def table(e: dict) -> str:
     used = "activations_checkpointed" if e["activation_checkpointing"] else "activations"
     lines.append(f"{'predicted peak':26} " + " ".join(f"{p / 2**20:10.1f}" for p in e["peak_bytes_per_rank"]))
     lines.append(f"(peak: the largest of the start of backward, device state less grads + comm_buckets + "
-                 f"gathered_unit + {used} + loss_transient; under FSDP the end of backward, state + the largest "
-                 f"unit's gathered weights, gradients and reduce-scatter copy; and the step, state + comm_buckets + "
-                 f"master_grads + optimizer_step: python -m helpers.estimate's module doc)")
+                 f"gathered_unit (ZeRO-3 across ranks: gathered_at_backward) + {used} + loss_transient; the end of "
+                 f"backward, under FSDP state + the largest unit's gathered weights, gradients and reduce-scatter "
+                 f"copy, under ZeRO-3 across ranks state + comm_buckets + reduce_scatter_copies + the largest "
+                 f"parameter; and the step, state + comm_buckets + master_grads + optimizer_step: "
+                 f"python -m helpers.estimate's module doc)")
     if "budget_gib" in e:
         verdict = "fits" if e["fits"] else "does not fit"
         lines.append(f"budget {e['budget_gib']} GiB per rank: {verdict}; largest micro-batch that fits: "

@@ -282,7 +282,8 @@ ax.legend();
 # %%
 b = max(int(ours[DS]), 1)
 cats = {m: estimate(METHODS[m][0], micro_batch=b)["categories_per_rank"][0] for m in (FSDP_METHODS[-1], DS)}
-keys = ["params", "master_params", "grads", "optimizer_states", "comm_buckets", "gathered_unit", "activations"]
+keys = ["params", "master_params", "grads", "optimizer_states", "comm_buckets", "gathered_unit", "gathered_at_backward",
+        "activations"]
 print(f"micro-batch {b}, MiB per rank (rank 0)")
 print(pd.DataFrame({m: {k: c[k] / 2**20 for k in keys} for m, c in cats.items()}).round(1).to_string())
 rest = {m: sum(c[k] for k in est.STATE) for m, c in cats.items()}
@@ -294,14 +295,17 @@ claim("at rest ZeRO-3 holds the same state bytes as FULL_SHARD (params, master, 
 # At rest the two hold about the same bytes (the line above says how close). The difference
 # is when backward starts: FSDP has freed
 # its gradients after the last step (`zero_grad(set_to_none=True)`) and makes them again as
-# backward runs, while ZeRO-3 keeps its gradient partition (one flat buffer made at start-up)
-# and holds its bf16 shard next to the fp32 master, plus the bucket. The estimator counts
-# that moment, and its `predicted` column already gives ZeRO-3 fewer sequences than
-# FULL_SHARD; that is the part of the gap it counts. The runs found
+# backward runs, and gathers one unit at a time; ZeRO-3 keeps its gradient partition (one flat
+# buffer made at start-up), its bf16 shard next to the fp32 master, the bucket, and, across
+# ranks, every parameter it gathered in forward (`gathered_at_backward`): from its second step
+# on, DeepSpeed does not release a parameter that the step uses again within
+# `stage3_max_reuse_distance` elements (default 1e9), and backward uses every one again. A
+# smaller distance frees them sooner, at the price of gathering them a second time. The
+# estimator counts that moment, and its `predicted` column already gives ZeRO-3 fewer
+# sequences than FULL_SHARD; that is the part of the gap it counts. The runs found
 # less room still for ZeRO-3 than it predicted (the table's `predicted` against `largest
 # (runs)`; the peaks table at the end prints the estimator's median error on the DeepSpeed rows
-# next to the FSDP rows'). Which further bytes DeepSpeed holds on this CPU we have not broken
-# down.
+# next to the FSDP rows'). The rest of the gap is not broken down here.
 #
 # ## ZeRO-3 with CPU offload, and DeepSpeed's defaults
 #
@@ -524,7 +528,8 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
 #   sequence at all. DeepSpeed ZeRO-3, with its gradient bucket sized for this model, fit too,
 #   no more sequences than FULL_SHARD; the estimator counts part of why (it
-#   keeps its gradient partition and a bf16 shard through backward).
+#   keeps its gradient partition, a bf16 shard and, across ranks, the parameters it gathered in
+#   forward when backward starts).
 # * On one RAM, offload fit within one sequence of FULL_SHARD without it, with and without
 #   checkpointing, and fewer than the estimator predicts for a GPU. DeepSpeed's
 #   default gradient bucket (the estimator's count of the config's 5e8 elements) is larger than

@@ -123,3 +123,19 @@ def test_one_rank_peak_equals_a_real_job(tmp_path, config):
     measured = summary(tmp_path)["peak_tensor_bytes"][0]
     predicted = est.run(args(config, "small", world_size=1, micro_batch=2, seq_len=64))["peak_bytes_per_rank"][0]
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)  # identical jobs: about 1% apart
+
+
+def test_zero3_across_ranks_holds_forwards_gathered_params_and_two_reduce_scatter_copies():
+    """Measured on ``small`` and ``medium`` (benchmarks/estimate_grid.py, with the profiler's allocations at the
+    peak): across ranks ZeRO-3 still holds every parameter it gathered in forward when backward starts (the
+    default reuse distance keeps them), and reduce-scatters the bucket through two copies of it; on one rank
+    a parameter is its own partition and nothing is reduced: neither exists."""
+    z3 = "launch_configs/deepspeed/zero3.yaml"
+    one = est.run(args(z3, "small", world_size=1, micro_batch=2, seq_len=64))["categories_per_rank"][0]
+    two = est.run(args(z3, "small", world_size=2, micro_batch=2, seq_len=64))
+    row, numel = two["categories_per_rank"][0], two["num_params"]
+    assert one["gathered_at_backward"] == one["reduce_scatter_copies"] == 0
+    assert row["reduce_scatter_copies"] == 2 * 2 * numel  # bf16, the default 5e8-element bucket holds it all
+    assert 0.99 * 2 * numel <= row["gathered_at_backward"] < 2 * numel  # all but the small (persistent) norms
+    fsdp = est.run(args(FS, "small", world_size=2, micro_batch=2, seq_len=64))["categories_per_rank"][0]
+    assert fsdp["gathered_at_backward"] == fsdp["reduce_scatter_copies"] == 0

@@ -72,14 +72,16 @@ test: setup lint test-unit test-notebooks
 
 # Two test files at a time (pytest-xdist; one file's tests stay together, so its shared runs are made
 # once): a job's ranks leave cores idle while they start and wait on each other. On a GPU node, where
-# every nccl job takes all the GPUs it names: make test-unit TEST_WORKERS=1.
-TEST_WORKERS ?= 2
+# every nccl job takes all the GPUs it names, one at a time (detected with nvidia-smi; TEST_WORKERS=N overrides).
+TEST_WORKERS ?= $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1 || echo 2)
 test-unit: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
-# nbval executes every notebook; GUIDE_SIZE=quick runs the same cells with fewer steps
+# nbval executes every notebook; GUIDE_SIZE=quick runs the same cells with fewer steps. Two notebooks at a
+# time (each one's cells in order on one worker; their runs go to their own notebooks/runs/NN_* dirs).
 test-notebooks: setup
-	GUIDE_SIZE=quick $(PY) -m pytest -q --durations=8 --nbval-lax notebooks/ -p no:cacheprovider
+	GUIDE_SIZE=quick $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=8 --nbval-lax notebooks/ \
+		-p no:cacheprovider
 
 # JupyterLab in headless Chromium (Debian's chromium package): opens notebooks/00_launching.py
 # through jupytext, runs every cell, checks for errors and a figure; screenshot in pytest's tmp dir

@@ -276,8 +276,8 @@ ax.legend();
 # Why does ZeRO-3 fit fewer sequences than FULL_SHARD here, with the same 16 bytes per
 # parameter at rest? The estimator's categories per rank at the same micro-batch (FSDP
 # `params` are fp32; DeepSpeed's are its bf16 shard, next to the fp32 `master_params`, notebook
-# 02). They add up to about the same; the difference is in which of them are still held when
-# backward starts (below):
+# 02). Their states (the first four rows) add up to about the same; the difference is in what
+# else is held when backward starts (below):
 
 # %%
 b = max(int(ours[DS]), 1)
@@ -296,11 +296,15 @@ claim("at rest ZeRO-3 holds the same state bytes as FULL_SHARD (params, master, 
 # is when backward starts: FSDP has freed
 # its gradients after the last step (`zero_grad(set_to_none=True)`) and makes them again as
 # backward runs, and gathers one unit at a time; ZeRO-3 keeps its gradient partition (one flat
-# buffer made at start-up), its bf16 shard next to the fp32 master, the bucket, and, across
-# ranks, every parameter it gathered in forward (`gathered_at_backward`): from its second step
-# on, DeepSpeed does not release a parameter that the step uses again within
-# `stage3_max_reuse_distance` elements (default 1e9), and backward uses every one again. A
-# smaller distance frees them sooner, at the price of gathering them a second time. The
+# buffer made at start-up), its bf16 shard next to the fp32 master, the bucket, and, when
+# more than one rank shares the model, every parameter it gathered in forward
+# (`gathered_at_backward`, per rank: the whole model in bf16 less the small parameters it keeps
+# whole; at that moment it takes the place of `gathered_unit`). From its second step on,
+# DeepSpeed does not release a parameter that the step uses again within
+# `stage3_max_reuse_distance` elements (default 1e9; DeepSpeed's
+# `PartitionedParameterCoordinator`), and backward uses every one again (`helpers/estimate.py`'s
+# doc says what was measured).
+# A smaller distance frees them sooner, at the price of gathering them a second time. The
 # estimator counts that moment, and its `predicted` column already gives ZeRO-3 fewer
 # sequences than FULL_SHARD; that is the part of the gap it counts. The runs found
 # less room still for ZeRO-3 than it predicted (the table's `predicted` against `largest
@@ -532,7 +536,7 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   forward when backward starts).
 # * On one RAM, offload fit within one sequence of FULL_SHARD without it, with and without
 #   checkpointing, and fewer than the estimator predicts for a GPU. DeepSpeed's
-#   default gradient bucket (the estimator's count of the config's 5e8 elements) is larger than
+#   default gradient bucket (the estimator's count of DeepSpeed's default, 5e8 elements) is larger than
 #   this budget, and ZeRO-3's measured peak at batch 1 larger still: it did not fit batch 1.
 # * Checkpointing cut the activation bytes per sequence by the same bytes (within 1%) under
 #   every method and left the losses bit-identical (checked on the FULL_SHARD timing pair); its

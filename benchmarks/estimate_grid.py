@@ -75,6 +75,12 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['mode']:14} {r['model']:7} {r['world_size']:5d} {r['micro_batch']:5d} "
                      f"{r['measured'][0] / mib:22.2f} {r['predicted'][0] / mib:10.2f} {100 * r['error']:6.1f}% "
                      f"{100 * r['error_without_buckets']:15.1f}% {100 * r['error_of_the_largest']:12.1f}%")
+    apart = [r for r in rows if abs(r["error"]) > 0.10 >= abs(r["error_of_the_largest"])]
+    if apart:
+        lines.append(f"over 10% on their worst rank but within 10% on the largest: {len(apart)} rows; their ranks "
+                     f"hold the same state and peak apart (which rank frees a collective's buffer first; the "
+                     f"estimator gives one value): " + ", ".join(f"{r['mode']} {r['model']} {r['world_size']}r "
+                                                                  f"b{r['micro_batch']}" for r in apart))
     for key, name in (("error", "error"), ("error_without_buckets", "error without buckets"),
                       ("error_of_the_largest", "error of the largest rank")):
         errs = [abs(r[key]) for r in rows]

@@ -321,7 +321,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
     step_temp = 0 if "optimizer_states" in offloaded(key, job) else optimizer_temporary(job, shapes, world_size)
     tokens_v = micro_batch * seq_len * shapes.cfg.vocab_size
     held = c * zero3_kept_gathered(job, shapes, world_size)
-    rs_copies = 0
+    rs_copies, largest_param = 0, max(math.prod(s) for s in shapes.params)
     if held:  # ZeRO-3 across ranks: the bucket's reduce-scatter copies (see the module doc)
         rs_copies = 2 * grad_bytes * min(shapes.numel, int(float(zo.get("reduce_bucket_size", 5e8))))
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
@@ -360,8 +360,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
             step = state_bytes + (c * unit if key == "no_shard" else 0) + step_temp
         else:
             step = at_rest - gathered + step_temp
-            largest = c * max(math.prod(s) for s in shapes.params)
-            end = at_rest - gathered + largest + rs_copies if rs_copies else 0
+            end = at_rest - gathered + c * largest_param + rs_copies if rs_copies else 0
         peaks.append(max(backward, end, step))
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,

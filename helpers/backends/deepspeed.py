@@ -130,6 +130,9 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
     return out
 
 
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
 def _import_muon_eagerly(ds_config: dict) -> None:
     """Import DeepSpeed's Muon module with its functions left uncompiled, unless the JSON asks for Muon.
 
@@ -152,9 +155,6 @@ def _import_muon_eagerly(ds_config: dict) -> None:
         pass
     finally:
         compiler.compile = compile_
-
-
-MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
 class DeepSpeedEngine:

@@ -26,16 +26,17 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     ``stage3_max_reuse_distance`` elements, and every parameter is used again in backward; with the
     default distance (1e9) that is every parameter not kept whole anyway, in the compute dtype. It takes
     the gathered unit's place at the start of backward. On one rank a parameter is its own partition:
-    nothing is copied (measured from the profiler's allocation events alive at the peak: ``small`` on two
-    ranks holds 30 gathered tensors, the whole model in bf16, at the start of backward; on one rank none).
+    nothing is copied (measured with ``benchmarks/peak_alive.py``, the allocations alive at the peak:
+    ``small`` on two ranks holds 30 gathered tensors, the whole model in bf16, at the start of backward;
+    on one rank none).
 ``comm_buckets``  DeepSpeed ZeRO-1/2/3's contiguous gradient bucket: ``reduce_bucket_size`` elements of
     the gradient dtype (two with ``overlap_comm`` on ZeRO-1/2), allocated whole, whatever the model size.
 ``reduce_scatter_copies``  DeepSpeed ZeRO-3 across ranks, at the end of backward: the bucket's gradients
     reduce-scattered in one call (up to ``reduce_bucket_size`` elements, here often the whole gradient),
     copied twice, in the gradient dtype: DeepSpeed interleaves every rank's slices into one new flat
     tensor (``reduce_scatter_coalesced``, a ``torch.cat``), and gloo's reduce-scatter clones its input
-    (both seen alive at the peak of ``medium`` on 4 ranks, 414.5 MiB each; nccl reduces from the input,
-    where the second copy over-counts).
+    (both alive at the peak of ``medium`` on 4 ranks, 414.5 MiB each, ``benchmarks/peak_alive.py``; nccl
+    reduces from the input, where the second copy over-counts).
 ``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param), counted
     at the optimizer step only (measured: the start of backward does not hold them; with them there,
     every ZeRO-0 row of ``benchmarks/estimate_grid.py`` was over-predicted by exactly their size).

@@ -126,8 +126,8 @@ def test_one_rank_peak_equals_a_real_job(tmp_path, config):
 
 
 def test_zero3_across_ranks_holds_forwards_gathered_params_and_two_reduce_scatter_copies():
-    """Measured on ``small`` and ``medium`` (the profiler's allocation events alive at the peak of
-    ``benchmarks/estimate_grid.py``'s jobs): across ranks ZeRO-3 still holds every parameter it gathered in forward when backward starts (the
+    """Measured on ``small`` and ``medium`` (``benchmarks/peak_alive.py``: the allocations alive at the
+    peak): across ranks ZeRO-3 still holds every parameter it gathered in forward when backward starts (the
     default reuse distance keeps them), and reduce-scatters the bucket through two copies of it; on one rank
     a parameter is its own partition and nothing is reduced: neither exists."""
     z3 = "launch_configs/deepspeed/zero3.yaml"

@@ -37,21 +37,14 @@ def chain(event, depth: int = 4) -> str:
     return " < ".join(names) or "(outside any op)"
 
 
-def alive_at_peak(roots, mark: str, within: str | None) -> dict:
+def alive_at_peak(roots, within: str | None) -> dict:
     """The window's peak (or the largest total reached inside ``within``) and what is alive there."""
-    events, start, stack = [], None, list(roots)
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        f = e.extra_fields
-        if hasattr(f, "total_allocated"):
-            if f.device.type == "cpu":
-                events.append((e.start_time_ns, f.total_allocated, f.alloc_size, f.ptr, e))
-        elif e.name == mark:
-            start = e.start_time_ns
+    from helpers.tensor_peak import cpu_allocations
+
+    start, allocs = cpu_allocations(roots)
     if start is None:
         raise SystemExit("peak_alive: the job never reached its measured window (did it run 2 steps?)")
-    events.sort(key=lambda x: x[0])
+    events = [(t, total, e.extra_fields.alloc_size, e.extra_fields.ptr, e) for t, total, e in allocs]
     window = [i for i, x in enumerate(events) if x[0] >= start]
     if within:
         window = [i for i in window if within in chain(events[i][4], depth=64)]
@@ -88,7 +81,7 @@ def worker(out: Path, within: str | None, job_args: list[str]) -> int:
 
     def window_peak(roots):
         roots = list(roots)
-        listing = alive_at_peak(roots, tp.MARK, within)
+        listing = alive_at_peak(roots, within)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"peak_alive.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(listing, indent=1))
         return read(roots)

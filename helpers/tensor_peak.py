@@ -66,8 +66,9 @@ class CpuTensorPeak:
             self.active = False
 
 
-def window_peak(roots) -> int | None:
-    """The largest running total of allocated bytes from the mark on (the total at the mark included)."""
+def cpu_allocations(roots) -> tuple[int | None, list[tuple[int, int, object]]]:
+    """The profiler's CPU allocation and free events as ``(time_ns, running total, event)``, in time order
+    (the total breaks ties), and the time of the window's mark (None if it was never reached)."""
     mark, allocs, stack = None, [], list(roots)
     while stack:
         e = stack.pop()
@@ -75,14 +76,20 @@ def window_peak(roots) -> int | None:
         fields = e.extra_fields
         if hasattr(fields, "total_allocated"):
             if fields.device.type == "cpu":
-                allocs.append((e.start_time_ns, fields.total_allocated))
+                allocs.append((e.start_time_ns, fields.total_allocated, e))
         elif e.name == MARK:
             mark = e.start_time_ns
+    allocs.sort(key=lambda a: a[:2])
+    return mark, allocs
+
+
+def window_peak(roots) -> int | None:
+    """The largest running total of allocated bytes from the mark on (the total at the mark included)."""
+    mark, allocs = cpu_allocations(roots)
     if mark is None:
         return None
-    allocs.sort()
-    before = [total for t, total in allocs if t < mark]
-    during = [total for t, total in allocs if t >= mark]
+    before = [total for t, total, _ in allocs if t < mark]
+    during = [total for t, total, _ in allocs if t >= mark]
     return max([before[-1] if before else 0, *during])
 
 

@@ -3,6 +3,8 @@
     python benchmarks/estimate_grid.py --quick --out runs/estimate_grid.json   # 14 tiny jobs on 2 ranks
     python benchmarks/estimate_grid.py --out runs/estimate_grid.json           # every mode x tiny, small,
                                                                                # medium x 1/2/4 ranks x 2 micro-batches
+    python benchmarks/estimate_grid.py --recheck benchmarks/estimate_grid.json # no jobs: stored measurements,
+                                                                               # today's estimator
 
 Every row is a real ``helpers.train`` job (3 steps: the peak is read through step 1) next to
 ``python -m helpers.estimate`` for the same config, model, ranks, micro-batch and sequence length.
@@ -12,18 +14,26 @@ small model, so the table also gives the error of everything else (``err w/o buc
 the model's real test on those rows. ``largest rank`` compares the largest predicted peak with the
 largest measured one: whether the job fits is decided there, and ranks that hold the same state can
 measure peaks a gathered unit apart (when each frees a collective's buffer). Writes the rows as JSON
-(``--out``) and prints the table, with the worst and median error. ``--reuse`` keeps the run
-directories of completed jobs. Not a test.
+(``--out``: the machine and versions under ``measured_with``, one object per job under ``rows``) and
+prints the table, with the worst and median error. ``--reuse`` keeps the run directories of completed
+jobs; ``--append`` adds the rows to an existing ``--out`` (a row of the same job replaced), so a grid can
+be measured in parts. ``--repeat`` runs every row over 10% on its worst rank a second time
+(``measured_repeat``): identical jobs' peaks move by which rank frees a collective's buffer first.
+
+``benchmarks/estimate_grid.json`` is such a file, measured on a 2-core CPU (gloo): notebook 08 re-scores
+its measurements with the estimator of the day (``helpers.estimate.against``), as ``--recheck`` does.
+Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,22 +59,27 @@ def run_job(config: str, out: Path, ranks: int, model: str, micro_batch: int, se
     return json.loads(summary.read_text())
 
 
-def compare(mode: str, model: str, ranks: int, micro_batch: int, seq_len: int, runs: Path, reuse: bool) -> dict:
-    config = MODES[mode].config
-    s = run_job(config, runs / f"{mode}_{model}_{ranks}r_b{micro_batch}", ranks, model, micro_batch, seq_len, reuse)
-    e = est.run(Namespace(config=str(REPO / config), model=model, world_size=ranks, micro_batch=micro_batch,
-                          seq_len=seq_len, budget_gib=None))
-    measured, predicted = s["peak_tensor_bytes"], e["peak_bytes_per_rank"]
-    buckets = [row["comm_buckets"] for row in e["categories_per_rank"]]
-    errors = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
-    rest = [(p - m) / (m - b) for p, m, b in zip(predicted, measured, buckets, strict=True)]
-    return {"mode": mode, "model": model, "world_size": ranks, "micro_batch": micro_batch, "seq_len": seq_len,
-            "measured": measured, "predicted": predicted, "comm_buckets": buckets,
-            "error": max(errors, key=abs), "error_without_buckets": max(rest, key=abs),
-            "error_of_the_largest": (max(predicted) - max(measured)) / max(measured),
-            "measured_state": [sum(m.values()) for m in s["memory_bytes"]],
-            "measured_activations": s["activation_bytes_per_sample"] * micro_batch,
-            "predicted_activations": e["categories_per_rank"][0]["activations"]}
+def measure(mode: str, model: str, ranks: int, micro_batch: int, seq_len: int, runs: Path, reuse: bool,
+            repeat: bool) -> dict:
+    """One row of measurements (what ``--out`` stores): the job's peak per rank, and its repeat's."""
+    name = f"{mode}_{model}_{ranks}r_b{micro_batch}"
+    s = run_job(MODES[mode].config, runs / name, ranks, model, micro_batch, seq_len, reuse)
+    row = {"mode": mode, "model": model, "world_size": ranks, "micro_batch": micro_batch, "seq_len": seq_len,
+           "measured": s["peak_tensor_bytes"], "measured_state": [sum(m.values()) for m in s["memory_bytes"]],
+           "measured_activations": s["activation_bytes_per_sample"] * micro_batch,
+           "device": f"{s['device']} ({s['dist_backend']})", "versions": s["versions"]}
+    if repeat and abs(est.against(row)["error"]) > 0.10:
+        again = run_job(MODES[mode].config, runs / f"{name}_repeat", ranks, model, micro_batch, seq_len, reuse)
+        row["measured_repeat"] = again["peak_tensor_bytes"]
+    return row
+
+
+def score(row: dict) -> dict:
+    """A row of measurements next to today's estimator."""
+    r = row | est.against(row)
+    r["error_without_buckets"] = max(((p - m) / (m - b) for p, m, b in
+                                      zip(r["predicted"], r["measured"], r["comm_buckets"], strict=True)), key=abs)
+    return r
 
 
 def table(rows: list[dict]) -> str:
@@ -74,7 +89,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['mode']:14} {r['model']:7} {r['world_size']:5d} {r['micro_batch']:5d} "
                      f"{r['measured'][0] / mib:22.2f} {r['predicted'][0] / mib:10.2f} {100 * r['error']:6.1f}% "
-                     f"{100 * r['error_without_buckets']:15.1f}% {100 * r['error_of_the_largest']:12.1f}%")
+                     f"{100 * r['error_without_buckets']:15.1f}% {100 * r['error_of_the_largest']:12.1f}%"
+                     + (f"   repeated: {100 * r['error_repeat']:.1f}%" if "error_repeat" in r else ""))
     apart = [r for r in rows if abs(r["error"]) > 0.10 >= abs(r["error_of_the_largest"])]
     if apart:
         lines.append(f"over 10% on their worst rank but within 10% on the largest: {len(apart)} rows; their ranks "
@@ -92,6 +108,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def key(r: dict) -> tuple:
+    return r["mode"], r["model"], r["world_size"], r["micro_batch"], r["seq_len"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the small subset (default when no grid flag is given "
@@ -101,10 +121,21 @@ def main() -> int:
     ap.add_argument("--ranks", nargs="+", type=int)
     ap.add_argument("--micro-batches", nargs="+", type=int)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--runs", help="directory for the run directories (default: next to --out)")
     ap.add_argument("--reuse", action="store_true", help="keep completed run directories instead of rerunning")
+    ap.add_argument("--append", action="store_true", help="add the rows to --out's (same job: replaced)")
+    ap.add_argument("--repeat", action="store_true", help="run each row over 10%% on its worst rank once more")
+    ap.add_argument("--recheck", metavar="JSON", help="no jobs: score this file's measurements with today's "
+                    "estimator and print the table")
     a = ap.parse_args()
+    if a.recheck:
+        doc = json.loads(Path(a.recheck).read_text())
+        print(f"measured with: {doc['measured_with']}")
+        print(table([score(r) for r in doc["rows"]]))
+        return 0
+    if not a.out:
+        ap.error("--out is required (or --recheck)")
     grid = dict(QUICK if a.quick else FULL)
     for k in grid:
         grid[k] = getattr(a, k) or grid[k]
@@ -117,11 +148,16 @@ def main() -> int:
                 if MODES[mode].min_world_size > ranks:
                     continue
                 for b in grid["micro_batches"]:
-                    rows.append(compare(mode, model, ranks, b, a.seq_len, runs, a.reuse))
-                    print(table(rows[-1:]).splitlines()[1], flush=True)
+                    rows.append(measure(mode, model, ranks, b, a.seq_len, runs, a.reuse, a.repeat))
+                    print(table([score(rows[-1])]).splitlines()[1], flush=True)
+    if a.append and out.is_file():
+        new = {key(r) for r in rows}
+        rows = [r for r in json.loads(out.read_text())["rows"] if key(r) not in new] + rows
+    machine = f"{os.cpu_count()} CPU cores ({platform.machine()}), jobs on {rows[-1]['device']}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
-    print(table(rows))
+    out.write_text("{\n" + f' "measured_with": {json.dumps({"machine": machine, "versions": rows[-1]["versions"]})},\n'
+                   + ' "rows": [\n' + ",\n".join("  " + json.dumps(r) for r in rows) + "\n ]\n}\n")
+    print(table([score(r) for r in rows]))
     return 0
 
 

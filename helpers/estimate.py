@@ -48,8 +48,10 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     ``offload_param`` to cpu or nvme): moved out of the device categories.
 
 ``peak_bytes_per_rank`` is the largest of three moments. The start of backward: state on the
-device + comm buckets + gathered unit (ZeRO-3 across ranks: gathered_at_backward instead) + activations
-+ loss transient, less the gradients, which do
+device + comm buckets + gathered unit (ZeRO-3 across ranks: gathered_at_backward instead; FULL_SHARD and
+HYBRID_SHARD: the unit's weights only, as its gradients are made by the head's backward, once the loss
+transient is freed: with them, the one-rank FULL_SHARD rows of ``benchmarks/estimate_grid.py`` were
+over-predicted by their size) + activations + loss transient, less the gradients, which do
 not exist yet (FSDP and DeepSpeed free them after each step; ZeRO-3 keeps one gradient buffer from
 start-up; under NO_SHARD the output layer's gradient is counted); with checkpointing, the larger of
 the checkpointed column without its one recomputed block + loss transient, and the column without
@@ -89,6 +91,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import mapping
 
@@ -353,6 +356,8 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
                 start -= block_per_token(shapes.cfg, c) * tokens
                 start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
             backward = at_rest - grads - master_grads + start  # ZeRO-0's fp32 gradients: made at the step
+            if key in ("full_shard", "hybrid_shard"):  # the root unit's gradients come after the loss's backward
+                backward -= c * unit
             if held:  # ZeRO-3 across ranks: forward's gathered parameters, in the gathered unit's place
                 backward += held - gathered
         if job.backend == "fsdp":  # the root (largest) unit reduce-scatters last; every unit is resharded after it
@@ -441,6 +446,34 @@ def run(args) -> dict:
     return out
 
 
+def errors(predicted: list[float], measured: list[float]) -> dict:
+    """A prediction against a run, per rank: ``(predicted - measured) / measured`` on each rank, the rank
+    where it errs most (``worst_rank``, ``error``) and the largest predicted peak against the largest
+    measured one (``error_of_the_largest``: whether a job fits is decided on its largest rank). Used by
+    ``benchmarks/estimate_grid.py`` and notebook 08."""
+    per_rank = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
+    worst = max(range(len(per_rank)), key=lambda r: abs(per_rank[r]))
+    return {"per_rank": per_rank, "worst_rank": worst, "error": per_rank[worst],
+            "error_of_the_largest": (max(predicted) - max(measured)) / max(measured)}
+
+def against(row: dict) -> dict:
+    """The estimate for a measured run of a shipped mode, next to it: ``row`` has ``mode`` (a key of
+    ``helpers.mapping.MODES``), ``model``, ``world_size``, ``micro_batch``, ``seq_len`` and ``measured``
+    (``peak_tensor_bytes``, one per rank), and may have ``measured_repeat`` (the same job run again).
+    Returns the prediction per rank, its comm buckets and ``errors`` (of the repeat too: ``error_repeat``,
+    ``error_of_the_largest_repeat``). How ``benchmarks/estimate_grid.py`` scores a job, and how notebook 08
+    re-scores the grid's stored measurements with the estimator of the day."""
+    config = Path(__file__).resolve().parent.parent / mapping.MODES[row["mode"]].config
+    e = run(argparse.Namespace(config=str(config), model=row["model"], world_size=row["world_size"],
+                               micro_batch=row["micro_batch"], seq_len=row["seq_len"], budget_gib=None))
+    predicted = e["peak_bytes_per_rank"]
+    return {"predicted": predicted, "comm_buckets": [c["comm_buckets"] for c in e["categories_per_rank"]],
+            "predicted_activations": e["categories_per_rank"][0]["activations"],
+            **errors(predicted, row["measured"]),
+            **({f"{k}_repeat": v for k, v in errors(predicted, row["measured_repeat"]).items()
+                if k in ("error", "error_of_the_largest")} if "measured_repeat" in row else {})}
+
+
 def table(e: dict) -> str:
     cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "gathered_at_backward", "reduce_scatter_copies",
             "optimizer_step", "activations",
@@ -453,7 +486,8 @@ def table(e: dict) -> str:
     used = "activations_checkpointed" if e["activation_checkpointing"] else "activations"
     lines.append(f"{'predicted peak':26} " + " ".join(f"{p / 2**20:10.1f}" for p in e["peak_bytes_per_rank"]))
     lines.append(f"(peak: the largest of the start of backward, device state less grads + comm_buckets + "
-                 f"gathered_unit (ZeRO-3 across ranks: gathered_at_backward) + {used} + loss_transient; the end of "
+                 f"gathered_unit (ZeRO-3 across ranks: gathered_at_backward; FULL_SHARD and HYBRID_SHARD: its "
+                 f"weights only) + {used} + loss_transient; the end of "
                  f"backward, under FSDP state + the largest unit's gathered weights, gradients and reduce-scatter "
                  f"copy, under ZeRO-3 across ranks state + comm_buckets + reduce_scatter_copies + the largest "
                  f"parameter; and the step, state + comm_buckets + master_grads + optimizer_step: "

@@ -34,7 +34,8 @@
 # **What we look at.** (1) the max-batch table, next to the seeds' rows; (2) what activation
 # checkpointing changes: activation bytes per sample, the losses, and its recompute cost;
 # (3) predicted against measured peak for every run here, the worst row and what the estimator
-# leaves out.
+# leaves out; then the same estimator against the stored runs of `benchmarks/estimate_grid.py`
+# (every mode, three models, one to four ranks).
 
 # %%
 import json
@@ -447,11 +448,11 @@ for name in names:
     # one RAM: the host's bytes are this machine's tensors too
     host = [0 if GPUS else c["host"] for c in e["categories_per_rank"]]
     predicted = [p + h for p, h in zip(e["peak_bytes_per_rank"], host)]
-    errs = [(p - m) / m for p, m in zip(predicted, s["peak_tensor_bytes"])]
-    r = max(range(len(errs)), key=lambda i: abs(errs[i]))
+    err = est.errors(predicted, s["peak_tensor_bytes"])
+    r = err["worst_rank"]
     rows.append({"run": name, "micro-batch": cfg["train"]["micro_batch"], "rank": r,
                  "measured MiB": s["peak_tensor_bytes"][r] / 2**20,
-                 "predicted MiB": predicted[r] / 2**20, "of which host MiB": host[r] / 2**20, "error %": 100 * errs[r]})
+                 "predicted MiB": predicted[r] / 2**20, "of which host MiB": host[r] / 2**20, "error %": 100 * err["error"]})
 PEAKS = pd.DataFrame(rows)
 print(PEAKS.round(2).to_string(index=False))
 is_off = PEAKS["run"].str.startswith("full_shard_offload")
@@ -478,8 +479,10 @@ if not GPUS:
     claim("on this CPU every offload row is over-predicted, by less than the host bytes its prediction adds (a device "
           "that is the host: those bytes are counted twice)", ((excess > 0) & (excess < o["of which host MiB"])).all(),
           excess_MiB=excess.round(1).tolist(), host_MiB=o["of which host MiB"].round(1).tolist())
-claim("every row but the offload rows is within 10% plus the spread of the measurement itself (two identical jobs)",
-      rest["error %"].abs().max() <= 10 + 100 * repeat, worst_pct=float(worst["error %"]), repeat_pct=100 * repeat)
+fsdp_rows = rest[~rest["run"].str.startswith("zero3")]
+claim("every FSDP row but the offload rows is within 10% plus the spread of the measurement itself (the same FSDP "
+      "job twice)", fsdp_rows["error %"].abs().max() <= 10 + 100 * repeat,
+      worst_fsdp_pct=float(fsdp_rows.loc[fsdp_rows["error %"].abs().idxmax(), "error %"]), repeat_pct=100 * repeat)
 
 # %% [markdown]
 # The offload rows are left out of the worst and median: the estimator models offload as a GPU
@@ -503,7 +506,78 @@ claim("every row but the offload rows is within 10% plus the spread of the measu
 #   estimator gives them one value;
 # * **gloo's and nccl's own buffers** (communication libraries allocate outside torch's tensors);
 # * **DeepSpeed's flat-buffer padding** (a few elements per rank), and activations of
-#   non-Llama families, which it counts as Llama-style blocks (an approximation).
+#   non-Llama families, which it counts as Llama-style blocks (an approximation);
+# * **what DeepSpeed ZeRO-3 holds beyond its categories at the start of backward**: listing the
+#   tensors alive at that peak (`benchmarks/peak_alive.py`, on this model at micro-batch 4) matches
+#   the state, the held parameters, the activations and the loss's tensors to the estimate within
+#   a few MiB; the rest of the measured peak are bytes the listing cannot match to a tensor made in
+#   the window, and their amount changed between identical jobs (not measured in this notebook:
+#   the DeepSpeed rows above are one job per micro-batch).
+#
+# ## Every mode, three models, one to four ranks
+#
+# This notebook's runs are one model at one world size. `benchmarks/estimate_grid.py` ran every
+# shipped mode on `tiny`, `small` and `medium`, at 1, 2 and 4 ranks (where the mode runs at that
+# world size) and micro-batches 2 and 8
+# (`medium` at 4 ranks: micro-batch 2 and the modes that shard), three steps each, and stored
+# each job's measured peak per rank in `benchmarks/estimate_grid.json`; a row whose worst rank
+# erred by more than 10% was run a second time (`--repeat`). That is too many jobs for this
+# notebook, so the next cell reads the stored measurements, prints where they were measured,
+# and scores them with the estimator as it is now (`helpers.estimate.against`, what
+# `python benchmarks/estimate_grid.py --recheck benchmarks/estimate_grid.json` prints).
+
+# %%
+GRID = json.loads(Path("benchmarks/estimate_grid.json").read_text())
+print("measured with:", GRID["measured_with"])
+g = pd.DataFrame([{k: r[k] for k in ("mode", "model", "world_size", "micro_batch", "measured")}
+                  | {"repeat": r.get("measured_repeat")} | est.against(r) for r in GRID["rows"]])
+g["abs"] = g["error"].abs()
+within = g["abs"] <= 0.10
+print(g.groupby("mode", sort=False).agg(
+    rows=("abs", "size"), within_10pct=("abs", lambda e: int((e <= 0.10).sum())),
+    median_abs_error_pct=("abs", lambda e: 100 * e.median()),
+    worst_error_pct=("error", lambda e: 100 * e.loc[e.abs().idxmax()])).round(1).to_string())
+worst = g.loc[g["abs"].idxmax()]
+largest_within = int((g["error_of_the_largest"].abs() <= 0.10).sum())
+print(f"all modes: {int(within.sum())} of {len(g)} rows within 10% on their worst rank, median |error| "
+      f"{100 * g['abs'].median():.1f}%; on their largest rank {largest_within} within 10%; worst row: {worst['mode']} "
+      f"{worst['model']}, {worst['world_size']} ranks, micro-batch {worst['micro_batch']}: {100 * worst['error']:+.1f}%")
+claim("nine rows in ten or more are within 10% on their worst rank, and the median row within 5%",
+      within.mean() >= 0.9 and g["abs"].median() <= 0.05, within=int(within.sum()), rows=len(g),
+      median_pct=100 * g["abs"].median())
+
+# %% [markdown]
+# The rows beyond 10%, each with its second run (MiB per rank; the estimator gives one value
+# per rank, the same on ranks that hold the same state):
+
+# %%
+over = g[~within].copy()
+mib = lambda xs: [round(x / 2**20, 1) for x in xs] if isinstance(xs, list) else None  # noqa: E731
+over["moved %"] = [100 * max(abs(x - y) / min(x, y) for x, y in zip(m, r)) if isinstance(r, list) else float("nan")
+                   for m, r in zip(over["measured"], over["repeat"])]
+over["excess %"] = 100 * (over["abs"] - 0.10)
+print(pd.DataFrame({"row": over["mode"] + " " + over["model"] + " " + over["world_size"].astype(str) + "r b"
+                    + over["micro_batch"].astype(str), "measured": over["measured"].map(mib),
+                    "run again": over["repeat"].map(mib), "predicted": over["predicted"].map(mib),
+                    "error %": 100 * over["error"], "again %": 100 * over.get("error_repeat", float("nan")),
+                    "moved %": over["moved %"], "excess %": over["excess %"]}).round(1).to_string(index=False))
+claim("every row beyond 10% on its worst rank has more than one rank and was run again; the second run is within "
+      "10%, and between the two runs the same job's peak moved on some rank by more than the row's excess over 10%",
+      len(over) > 0 and (over["world_size"] > 1).all() and over["repeat"].map(lambda r: isinstance(r, list)).all()
+      and (over["error_repeat"].abs() <= 0.10).all() and (over["moved %"] > over["excess %"]).all(),
+      rows=len(over), again_pct=(100 * over["error_repeat"]).round(2).tolist(), moved_pct=over["moved %"].round(1).tolist(),
+      excess_pct=over["excess %"].round(1).tolist())
+
+# %% [markdown]
+# So the rows beyond 10% are beyond it by less than the measurement itself moves: the same job,
+# run twice, peaks at different bytes on its ranks. What moves is which
+# collective buffers a rank still holds at its peak. `benchmarks/peak_alive.py` lists the
+# tensors alive there: under FSDP across ranks, gloo's reduce-scatter clones its input
+# (`aten::clone` under `c10d::_reduce_scatter_base_`), and some ranks still hold the clones of
+# earlier units when the root unit reduces, others have freed them; under ZeRO-0 a copy of the
+# gradients made for the all-reduce is alive on some ranks and not on others. The estimator
+# counts the one reduce-scatter copy every rank holds. On one rank nothing is communicated,
+# and no one-rank row is among them.
 #
 # ## Try it
 #
@@ -542,9 +616,15 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   every method and left the losses bit-identical (checked on the FULL_SHARD timing pair); its
 #   recompute cost is printed with its
 #   verdict, claimed only where the step times' spreads part.
-# * The estimator's median error over this notebook's runs was within 10%, and its worst row
-#   within 10% plus the spread between two identical jobs' measured peaks (the measurement
-#   itself moves between runs: printed above); the offload rows are a GPU model, shown apart.
+# * The estimator's median error over this notebook's runs was within 10%, and every FSDP row
+#   (offload aside) within 10% plus the spread between two identical jobs' measured peaks (the
+#   measurement itself moves between runs: printed above); the DeepSpeed rows were
+#   under-predicted, their median error below the FSDP rows' (what it leaves out of DeepSpeed,
+#   above); the offload rows are a GPU model, shown apart.
+# * Over the stored grid (every mode, three models, one to four ranks), nine rows in ten or
+#   more were within 10% on their worst rank and the median row within 5%; every row beyond
+#   10% had more than one rank, was within 10% when run again, and its peak moved between the
+#   two runs by more than its excess.
 #
 # **Next.** `python -m helpers.estimate --config YAML --model M --world-size N --micro-batch B
 # --seq-len S --budget-gib G` for your own model before you book the GPUs; then one job with

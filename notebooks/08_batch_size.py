@@ -28,14 +28,15 @@
 # `--memory-budget-gib`. On a GPU the budget is
 # the allocator's limit (an out-of-memory stops the job with one line); on this CPU the job
 # counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's allocator
-# events over steps 0-1; identical jobs still differ, by the spread printed at the end) and
+# events over steps 0-1; identical jobs still differ, by the spread printed with the peaks
+# table) and
 # stops when it passed the budget.
 #
 # **What we look at.** (1) the max-batch table, next to the seeds' rows; (2) what activation
 # checkpointing changes: activation bytes per sample, the losses, and its recompute cost;
-# (3) predicted against measured peak for every run here, the worst row and what the estimator
-# leaves out; then the same estimator against the stored runs of `benchmarks/estimate_grid.py`
-# (every mode, three models, one to four ranks).
+# (3) predicted against measured peak for every run here, the worst row (offload rows apart)
+# and what the estimator leaves out; then the same estimator against the stored runs of
+# `benchmarks/estimate_grid.py` (the nine sharding modes, three models, one to four ranks).
 
 # %%
 import json
@@ -210,9 +211,9 @@ print(TABLE.round(2).to_string(index=False))
 # %% [markdown]
 # `runs`: the batches run and whether each fit; `largest (runs)`: the largest that fit below
 # the smallest that did not (`bracketed`: one more was run and did not fit). The measured peak
-# moves between identical jobs here (the end of the notebook prints by how much; we have not
-# pinned down why), so a row decided by a few MiB could move by a sequence or more in another
-# run: read `largest (runs)` as this run's answer,
+# moves between identical jobs here (the peaks table prints by how much, for one FSDP job run
+# twice; what moves is discussed after it), so a row decided by a few MiB could land on another
+# batch in another run: read `largest (runs)` as this run's answer,
 # not a constant. `peak MiB`: the
 # run at the predicted batch (at 1 when nothing is predicted to fit). `step time s` and
 # `tokens/s/rank`: the run at the largest batch, its second step (the first carries start-up): one step on a shared
@@ -246,7 +247,7 @@ if not GPUS:
           gap[~ds_rows].abs().max() <= 2 and (gap[ds_rows] >= 0).all(),
           fsdp_predicted_minus_runs=gap[~ds_rows].tolist(), deepspeed=gap[ds_rows].tolist())
     exact = (TABLE["largest (runs)"] == TABLE["predicted"]).sum()
-    print(f"exact on {exact} of {len(TABLE)} rows")
+    print(f"exact on {exact} of {len(TABLE)} rows (FSDP and DeepSpeed)")
 else:
     print("on a GPU the allocator's reserved memory sits above the tensors' peak: read the runs column")
 ns, sgo, fs = (int(ours[m]) for m in FSDP_METHODS)
@@ -390,8 +391,9 @@ ACTS["with / without"] = ACTS["with, MiB/seq"] / ACTS["without, MiB/seq"]
 print(ACTS.round(3).to_string())
 claim("checkpointing cuts the activation bytes per sequence under every method",
       all(acts[(m, True)] < acts[(m, False)] for m in METHODS), ratio=list(ACTS["with / without"]))
-spread = max(max(v) / min(v) - 1 for v in ([acts[(m, ac)] for m in METHODS] for ac in (False, True)))
-claim("and by the same bytes per sequence, within 1%, whatever the sharding", spread < 0.01, spread=spread)
+cut = [acts[(m, False)] - acts[(m, True)] for m in METHODS]
+claim("and by the same bytes per sequence, within 1%, whatever the sharding", max(cut) / min(cut) - 1 < 0.01,
+      cut_MiB=[round(c / 2**20, 3) for c in cut])
 
 # %% [markdown]
 # The cost is a second forward of each block during backward. Four runs at the same batch,
@@ -466,23 +468,30 @@ pairs = [(x, y) for c in ("full_shard", "full_shard_ac")  # the same job twice, 
 repeat = max(abs(x - y) / min(x, y) for x, y in pairs)
 print(f"the same job twice (the timing runs), per rank: measured peaks "
       f"{[(round(x / 2**20, 1), round(y / 2**20, 1)) for x, y in pairs]} MiB, {100 * repeat:.1f}% apart at most")
-claim("the median error is within 10%", median <= 10, median_pct=median)
+claim("the median error (offload rows apart) is within 10%", median <= 10, median_pct=median)
 is_ds = PEAKS["run"].str.startswith("zero3_bucket")
 budget_rows = PEAKS["run"].isin(list(PLAN))
 ds_med = statistics.median(PEAKS.loc[is_ds, "error %"])
 fsdp_med = statistics.median(PEAKS.loc[budget_rows & ~is_ds & ~is_off, "error %"])
-claim("the estimator predicts less for the DeepSpeed ZeRO-3 rows than they measured, and its median error there is "
-      "below the FSDP rows'", ds_med < 0 and ds_med < fsdp_med, deepspeed_median_pct=ds_med, fsdp_median_pct=fsdp_med)
+claim("the estimator predicts less than measured on every DeepSpeed ZeRO-3 row, and its median error there is "
+      "further from zero than on the FSDP rows", (PEAKS.loc[is_ds, "error %"] < 0).all() and abs(ds_med) > abs(fsdp_med),
+      deepspeed_pct=PEAKS.loc[is_ds, "error %"].round(2).tolist(), deepspeed_median_pct=ds_med,
+      fsdp_median_pct=fsdp_med)
 if not GPUS:
     o = PEAKS[is_off]
     excess = o["predicted MiB"] - o["measured MiB"]
     claim("on this CPU every offload row is over-predicted, by less than the host bytes its prediction adds (a device "
-          "that is the host: those bytes are counted twice)", ((excess > 0) & (excess < o["of which host MiB"])).all(),
+          "that is the host: some of those bytes can be counted twice)", ((excess > 0) & (excess < o["of which host MiB"])).all(),
           excess_MiB=excess.round(1).tolist(), host_MiB=o["of which host MiB"].round(1).tolist())
 fsdp_rows = rest[~rest["run"].str.startswith("zero3")]
-claim("every FSDP row but the offload rows is within 10% plus the spread of the measurement itself (the same FSDP "
-      "job twice)", fsdp_rows["error %"].abs().max() <= 10 + 100 * repeat,
-      worst_fsdp_pct=float(fsdp_rows.loc[fsdp_rows["error %"].abs().idxmax(), "error %"]), repeat_pct=100 * repeat)
+moved = {}  # each timing run: how far its measured peak moved from its twin's, on the rank that moved most
+for c in ("full_shard", "full_shard_ac"):
+    a, b = (summary(f"time_{c}_{rep}")["peak_tensor_bytes"] for rep in (1, 2))
+    moved[f"time_{c}_1"] = moved[f"time_{c}_2"] = 100 * max(abs(x - y) / min(x, y) for x, y in zip(a, b))
+beyond = {r: (e, moved.get(r)) for r, e in zip(fsdp_rows["run"], fsdp_rows["error %"].round(2)) if abs(e) > 10}
+claim("every FSDP row but the offload rows is within 10%, or is one of two identical jobs whose peaks moved between "
+      "them by more than the row's excess over 10%", all(m is not None and m > abs(e) - 10 for e, m in beyond.values()),
+      beyond_10pct={r: {"error": e, "moved": None if m is None else round(m, 1)} for r, (e, m) in beyond.items()})
 
 # %% [markdown]
 # The offload rows are left out of the worst and median: the estimator models offload as a GPU
@@ -491,7 +500,8 @@ claim("every FSDP row but the offload rows is within 10% plus the spread of the 
 # count bytes twice that the job holds once (the check: the excess stays below the host bytes
 # added).
 #
-# What the estimator leaves out (its module doc, `helpers/estimate.py`), and why the table can
+# What the estimator leaves out (its module doc, `helpers/estimate.py`, and, where a bullet says
+# so, listings made with `benchmarks/peak_alive.py` outside this notebook), and why the table can
 # still be this close on a CPU:
 #
 # * **the allocator's caching and fragmentation**: a GPU's reserved memory sits above the
@@ -501,27 +511,28 @@ claim("every FSDP row but the offload rows is within 10% plus the spread of the 
 # * **single ops' temporaries** (a matmul's output before it is saved), which add a little on
 #   top of the moments it models (the start of backward, FSDP's end of backward, the optimizer
 #   step);
-# * **which rank frees a collective's buffer first**: ranks that hold the same state can peak up
-#   to about a gathered unit apart (`benchmarks/estimate_grid.py` measures it rank by rank); the
-#   estimator gives them one value;
+# * **which rank frees a collective's buffer first**: ranks that hold the same state can peak
+#   apart (the stored grid below shows it rank by rank); the estimator gives them one value;
 # * **gloo's and nccl's own buffers** (communication libraries allocate outside torch's tensors);
 # * **DeepSpeed's flat-buffer padding** (a few elements per rank), and activations of
 #   non-Llama families, which it counts as Llama-style blocks (an approximation);
-# * **what DeepSpeed ZeRO-3 holds beyond its categories at the start of backward**: listing the
-#   tensors alive at that peak (`benchmarks/peak_alive.py`, on this model at micro-batch 4) matches
-#   the state, the held parameters, the activations and the loss's tensors to the estimate within
-#   a few MiB; the rest of the measured peak are bytes the listing cannot match to a tensor made in
-#   the window, and their amount changed between identical jobs (not measured in this notebook:
-#   the DeepSpeed rows above are one job per micro-batch).
+# * **what DeepSpeed ZeRO-3 holds beyond its categories at the start of backward** (a
+#   `peak_alive.py` listing, this model at micro-batch 4, not run here): the tensors alive at
+#   that peak match the state, the held parameters, the activations and the loss's tensors to
+#   the estimate within a few MiB; the rest of the measured peak are bytes the listing cannot
+#   match to a tensor made in the window, and their amount changed between identical jobs
+#   (this notebook runs each DeepSpeed batch once).
 #
 # ## Every mode, three models, one to four ranks
 #
-# This notebook's runs are one model at one world size. `benchmarks/estimate_grid.py` ran every
-# shipped mode on `tiny`, `small` and `medium`, at 1, 2 and 4 ranks (where the mode runs at that
-# world size) and micro-batches 2 and 8
-# (`medium` at 4 ranks: micro-batch 2 and the modes that shard), three steps each, and stored
-# each job's measured peak per rank in `benchmarks/estimate_grid.json`; a row whose worst rank
-# erred by more than 10% was run a second time (`--repeat`). That is too many jobs for this
+# This notebook's runs are one model at one world size. `benchmarks/estimate_grid.py` ran the
+# nine sharding modes of `helpers.mapping.MODES` (their shipped configs: no offload, no
+# checkpointing, DeepSpeed's default bucket) on `tiny`, `small` and `medium`, at 1, 2 and 4 ranks
+# (where the mode runs at that world size), sequence 64, micro-batches 2 and 8
+# three steps each, and stored
+# each job's measured peak per rank in `benchmarks/estimate_grid.json`; only the rows whose
+# worst rank erred by more than 10% were run a second time (`--repeat`), so a second run's
+# smaller error is partly what any second draw of a spread-out measurement gives. That is too many jobs for this
 # notebook, so the next cell reads the stored measurements, prints where they were measured,
 # and scores them with the estimator as it is now (`helpers.estimate.against`, what
 # `python benchmarks/estimate_grid.py --recheck benchmarks/estimate_grid.json` prints).
@@ -547,8 +558,28 @@ claim("nine rows in ten or more are within 10% on their worst rank, and the medi
       median_pct=100 * g["abs"].median())
 
 # %% [markdown]
-# The rows beyond 10%, each with its second run (MiB per rank; the estimator gives one value
-# per rank, the same on ranks that hold the same state):
+# DeepSpeed's ZeRO-1/2/3 rows carry its default gradient bucket (`reduce_bucket_size`, 5e8
+# elements: about 1 GB in bf16, whatever the model), which the estimator counts exactly and
+# which is a large part of their peak on these small models. That hides how well it counts the
+# rest, so here are those rows scored without the bucket, `(predicted - measured) / (measured -
+# bucket)`, next to the other rows:
+
+# %%
+g["abs_rest"] = [abs(max(((p - m) / (m - b) for p, m, b in zip(pr, me, bu)), key=abs))
+                 for pr, me, bu in zip(g["predicted"], g["measured"], g["comm_buckets"])]
+has_bucket = g["comm_buckets"].map(any)
+for name, part in (("ZeRO-1/2/3 rows, without their bucket", g[has_bucket]), ("the other rows", g[~has_bucket])):
+    print(f"{name}: {len(part)} rows, median |error| {100 * part['abs_rest'].median():.1f}%, worst "
+          f"{100 * part['abs_rest'].max():.1f}%, within 10%: {int((part['abs_rest'] <= 0.10).sum())}")
+claim("scored without their bucket, the ZeRO-1/2/3 rows err more than the others: the estimator counts the rest of "
+      "their bytes less well than the other modes'",
+      g.loc[has_bucket, "abs_rest"].median() > g.loc[~has_bucket, "abs"].median(),
+      zero_median_pct=100 * g.loc[has_bucket, "abs_rest"].median(), others_median_pct=100 * g.loc[~has_bucket, "abs"].median())
+
+# %% [markdown]
+# The rows beyond 10% on their worst rank (the bucket included: it is memory the job holds),
+# each with its second run (MiB per rank; the estimator gives one value per rank, the same on
+# ranks that hold the same state):
 
 # %%
 over = g[~within].copy()
@@ -570,14 +601,15 @@ claim("every row beyond 10% on its worst rank has more than one rank and was run
 
 # %% [markdown]
 # So the rows beyond 10% are beyond it by less than the measurement itself moves: the same job,
-# run twice, peaks at different bytes on its ranks. What moves is which
-# collective buffers a rank still holds at its peak. `benchmarks/peak_alive.py` lists the
-# tensors alive there: under FSDP across ranks, gloo's reduce-scatter clones its input
-# (`aten::clone` under `c10d::_reduce_scatter_base_`), and some ranks still hold the clones of
-# earlier units when the root unit reduces, others have freed them; under ZeRO-0 a copy of the
-# gradients made for the all-reduce is alive on some ranks and not on others. The estimator
-# counts the one reduce-scatter copy every rank holds. On one rank nothing is communicated,
-# and no one-rank row is among them.
+# run twice, peaks at different bytes on its ranks, and no one-rank row is among them. What
+# moves, in listings of the tensors alive at the peak made outside this notebook
+# (`benchmarks/peak_alive.py` on `medium` FULL_SHARD and SHARD_GRAD_OP at 4 ranks, and `tiny`
+# ZeRO-0 at 2), is which collective buffers a rank still holds there: gloo's reduce-scatter
+# clones its input (`aten::clone` under `c10d::_reduce_scatter_base_`), and some ranks still
+# held the clones of earlier units when the root unit reduced while others had freed them;
+# under ZeRO-0 a rank's extra MiB or so came and went between identical runs, partly bytes the
+# listing cannot attribute to a live tensor. The estimator counts the one reduce-scatter copy
+# every FSDP rank holds.
 #
 # ## Try it
 #
@@ -598,10 +630,9 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #
 # * The states were a real share of the budget; every row's largest micro-batch was bracketed
 #   by runs (a fit and no fit at one more, or no fit at 1); the estimator's prediction was
-#   within two micro-batches of it on the FSDP rows (the exact rows are counted above) and at
-#   or above it on DeepSpeed's, whose bytes it under-counts; identical jobs' peaks
-#   moved by the spread printed at the end, so a close row can move by a sequence or more in
-#   another run.
+#   within two micro-batches of it on the FSDP rows and at or above it on DeepSpeed's, whose
+#   bytes it under-counts; identical jobs' peaks moved by the spread printed with the peaks
+#   table, so a close row can land on another batch in another run.
 # * As in the seeds' tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more than
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
 #   sequence at all. DeepSpeed ZeRO-3, with its gradient bucket sized for this model, fit too,
@@ -616,15 +647,16 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   every method and left the losses bit-identical (checked on the FULL_SHARD timing pair); its
 #   recompute cost is printed with its
 #   verdict, claimed only where the step times' spreads part.
-# * The estimator's median error over this notebook's runs was within 10%, and every FSDP row
-#   (offload aside) within 10% plus the spread between two identical jobs' measured peaks (the
-#   measurement itself moves between runs: printed above); the DeepSpeed rows were
-#   under-predicted, their median error below the FSDP rows' (what it leaves out of DeepSpeed,
-#   above); the offload rows are a GPU model, shown apart.
-# * Over the stored grid (every mode, three models, one to four ranks), nine rows in ten or
-#   more were within 10% on their worst rank and the median row within 5%; every row beyond
-#   10% had more than one rank, was within 10% when run again, and its peak moved between the
-#   two runs by more than its excess.
+# * The estimator's median error over this notebook's runs (offload rows apart) was within
+#   10%; every FSDP row was within 10%, or was one of two identical jobs whose peaks moved
+#   between them by more than its excess; every DeepSpeed row was under-predicted, its median
+#   error further from zero than the FSDP rows' (what it leaves out of DeepSpeed, above); the
+#   offload rows are a GPU model, shown apart.
+# * Over the stored grid (the nine sharding modes, three models, one to four ranks), nine
+#   rows in ten or more were within 10% on their worst rank and the median row within 5%
+#   (scored without their bucket, the ZeRO-1/2/3 rows erred more than the others); every row
+#   beyond 10% had more than one rank, was within 10% when run again, and its peak moved
+#   between the two runs by more than its excess.
 #
 # **Next.** `python -m helpers.estimate --config YAML --model M --world-size N --micro-batch B
 # --seq-len S --budget-gib G` for your own model before you book the GPUs; then one job with

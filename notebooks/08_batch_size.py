@@ -24,8 +24,8 @@
 #
 # **What we run.** For one budget per rank, `python -m helpers.estimate` predicts the largest
 # micro-batch of each method; then each method's job runs at that batch and walks one sequence
-# at a time until a batch that fits sits next to one that does not, two steps a job, under
-# `--memory-budget-gib`. On a GPU the budget is
+# at a time until a batch that fits sits next to one that does not (or batch 1 does not fit),
+# two steps a job, under `--memory-budget-gib`. On a GPU the budget is
 # the allocator's limit (an out-of-memory stops the job with one line); on this CPU the job
 # counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's allocator
 # events over steps 0-1; identical jobs still differ, by the spread printed with the peaks
@@ -569,10 +569,10 @@ claim("nine rows in ten or more are within 10% on their worst rank, and the medi
 
 # %% [markdown]
 # DeepSpeed's ZeRO-1/2/3 rows carry its default gradient bucket (`reduce_bucket_size`, 5e8
-# elements: about 1 GB in bf16, whatever the model), which the estimator counts exactly and
-# which is a large part of their peak on these small models. That hides how well it counts the
-# rest, so here are those rows scored without the bucket, `(predicted - measured) / (measured -
-# bucket)`, next to the other rows:
+# elements: about 1 GB in bf16, whatever the model), which the estimator counts exactly. Their
+# error then says less about how well it counts the rest of their bytes, so here are those rows
+# scored without the bucket, `(predicted - measured) / (measured - bucket)`, next to the other
+# rows:
 
 # %%
 g["abs_rest"] = [abs(max(((p - m) / (m - b) for p, m, b in zip(pr, me, bu)), key=abs))

@@ -76,10 +76,7 @@ def measure(mode: str, model: str, ranks: int, micro_batch: int, seq_len: int, r
 
 def score(row: dict) -> dict:
     """A row of measurements next to today's estimator."""
-    r = row | est.against(row)
-    r["error_without_buckets"] = max(((p - m) / (m - b) for p, m, b in
-                                      zip(r["predicted"], r["measured"], r["comm_buckets"], strict=True)), key=abs)
-    return r
+    return row | est.against(row)
 
 
 def table(rows: list[dict]) -> str:

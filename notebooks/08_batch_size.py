@@ -575,8 +575,7 @@ claim("nine rows in ten or more are within 10% on their worst rank, and the medi
 # rows:
 
 # %%
-g["abs_rest"] = [abs(max(((p - m) / (m - b) for p, m, b in zip(pr, me, bu)), key=abs))
-                 for pr, me, bu in zip(g["predicted"], g["measured"], g["comm_buckets"])]
+g["abs_rest"] = g["error_without_buckets"].abs()
 has_bucket = g["comm_buckets"].map(any)
 for name, part in (("ZeRO-1/2/3 rows, without their bucket", g[has_bucket]), ("the other rows", g[~has_bucket])):
     print(f"{name}: {len(part)} rows, median |error| {100 * part['abs_rest'].median():.1f}%, worst "

@@ -508,7 +508,7 @@ claim("every FSDP row but the offload rows is within 10%, or is one of two ident
 # added).
 #
 # What the estimator leaves out (its module doc, `helpers/estimate.py`, and, where a bullet says
-# so, listings made with `benchmarks/peak_alive.py` outside this notebook), and why the table can
+# so, listings made with `benchmarks/peak_alive.py` outside this notebook), and why most rows can
 # still be this close on a CPU:
 #
 # * **the allocator's caching and fragmentation**: a GPU's reserved memory sits above the
@@ -658,10 +658,10 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   recompute cost is printed with its
 #   verdict, claimed only where the step times' spreads part.
 # * The estimator's median error over this notebook's runs (offload rows apart) was within
-#   10%; every FSDP row was within 10%, or was one of two identical jobs whose peaks moved
-#   between them by more than its excess; every small-bucket DeepSpeed row was
-#   under-predicted, its median error further from zero than the FSDP rows' (what it leaves
-#   out of DeepSpeed, above); the offload rows are a GPU model, shown apart.
+#   10%; every FSDP row (offload rows apart) was within 10%, or was one of two identical jobs
+#   whose peaks moved between them by more than its excess; every small-bucket DeepSpeed row
+#   was under-predicted, its median error further from zero than the FSDP rows' (what it
+#   leaves out of DeepSpeed, above); the offload rows are a GPU model, shown apart.
 # * Over the stored grid (the nine sharding modes, three models, one to four ranks), nine
 #   rows in ten or more were within 10% on their worst rank and the median row within 5%
 #   (scored without their bucket, the ZeRO-1/2/3 rows erred more than the others); every row

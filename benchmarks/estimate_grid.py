@@ -19,6 +19,8 @@ prints the table, with the worst and median error. ``--reuse`` keeps the run dir
 jobs; ``--append`` adds the rows to an existing ``--out`` (a row of the same job replaced), so a grid can
 be measured in parts. ``--repeat`` runs every row over 10% on its worst rank a second time
 (``measured_repeat``): identical jobs' peaks move by which rank frees a collective's buffer first.
+``--scored FILE`` also writes the table as JSON: each row's measured and predicted peak per rank, with
+its errors (``helpers.estimate.against``).
 
 ``benchmarks/estimate_grid.json`` is such a file, measured on a 2-core CPU (gloo): notebook 08 re-scores
 its measurements with the estimator of the day (``helpers.estimate.against``), as ``--recheck`` does.
@@ -125,12 +127,13 @@ def main() -> int:
     ap.add_argument("--repeat", action="store_true", help="run each row over 10%% on its worst rank once more")
     ap.add_argument("--recheck", metavar="JSON", help="no jobs: score this file's measurements with today's "
                     "estimator and print the table")
+    ap.add_argument("--scored", metavar="JSON", help="also write the scored rows: measured and predicted peak "
+                    "per rank, and the errors")
     a = ap.parse_args()
     if a.recheck:
         doc = json.loads(Path(a.recheck).read_text())
         print(f"measured with: {doc['measured_with']}")
-        print(table([score(r) for r in doc["rows"]]))
-        return 0
+        return report([score(r) for r in doc["rows"]], a.scored)
     if not a.out:
         ap.error("--out is required (or --recheck)")
     grid = dict(QUICK if a.quick else FULL)
@@ -154,7 +157,14 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("{\n" + f' "measured_with": {json.dumps({"machine": machine, "versions": rows[-1]["versions"]})},\n'
                    + ' "rows": [\n' + ",\n".join("  " + json.dumps(r) for r in rows) + "\n ]\n}\n")
-    print(table([score(r) for r in rows]))
+    return report([score(r) for r in rows], a.scored)
+
+
+def report(scored: list[dict], path: str | None) -> int:
+    print(table(scored))
+    if path:
+        Path(path).write_text(json.dumps(scored, indent=1))
+        print(f"wrote {path}: measured and predicted peak per rank, with the errors, for {len(scored)} rows")
     return 0
 
 

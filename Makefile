@@ -73,6 +73,8 @@ test: setup lint test-unit test-notebooks
 # Two test files at a time (pytest-xdist; one file's tests stay together, so its shared runs are made
 # once): a job's ranks leave cores idle while they start and wait on each other. On a GPU node, where
 # every nccl job takes all the GPUs it names, one at a time (detected with nvidia-smi; TEST_WORKERS=N overrides).
+# On a CPU the test jobs' ranks are forked from a server that has imported torch (tests/zygote.py; the
+# notebooks and the launcher's own tests use torchrun); GUIDE_TEST_LAUNCHER=torchrun uses torchrun for all.
 TEST_WORKERS ?= $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo 1 || echo 2)
 test-unit: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests

@@ -50,18 +50,45 @@ def job_cmd(config: str, out: Path, nproc: int = 2, *extra: str) -> list[str]:
     return [*launcher, "-m", "helpers.train", "--config", config, "--out", str(out), *extra]
 
 
-def run_job(config: str, out: Path, nproc: int = 2, *extra: str, timeout: int = 600, env: dict | None = None):
+def forked(launcher: str) -> bool:
+    """Whether a test job's ranks are forked from tests/zygote.py's server (CPU; see there) or torchrun starts
+    them: ``launcher="torchrun"`` for tests of torchrun's own behaviour, GUIDE_TEST_LAUNCHER=torchrun for all."""
+    if launcher not in ("auto", "torchrun"):
+        raise ValueError(f"launcher={launcher!r}: 'auto' or 'torchrun'")
+    return launcher == "auto" and os.environ.get("GUIDE_TEST_LAUNCHER", "fork") == "fork" and not gpu_count()
+
+
+def run_module(module: str, args: list, nproc: int = 2, *, timeout: int = 600, env: dict | None = None,
+               launcher: str = "auto") -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node nproc -m module args`` (nproc 0: ``python -m module args``) to the end, as
+    subprocess.run with captured text output. ``env`` adds variables (e.g. GUIDE_FAIL_*)."""
+    args = [str(a) for a in args]
+    if nproc:
+        gpus = gpu_count()
+        if gpus and nproc > gpus:
+            pytest.skip(f"needs {nproc} GPUs (one per nccl rank); this node has {gpus}")
+    cmd = [*([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+             if nproc else [sys.executable]), "-m", module, *args]
+    full_env = {**job_env(), **(env or {})}
+    if forked(launcher):
+        import zygote
+
+        return zygote.run(module, args, nproc, full_env, str(REPO), timeout, cmd)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_job(config: str, out: Path, nproc: int = 2, *extra: str, timeout: int = 600, env: dict | None = None,
+            launcher: str = "auto"):
     """Run a job to the end; returns CompletedProcess. ``env`` adds variables (e.g. GUIDE_FAIL_*)."""
-    return subprocess.run(job_cmd(config, out, nproc, *extra), cwd=REPO, env={**job_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    return run_module("helpers.train", ["--config", config, "--out", out, *extra], nproc, timeout=timeout, env=env,
+                      launcher=launcher)
 
 
 def run_families(config: str, out: Path, steps: int, *extra: str) -> Path:
     """helpers.families on 2 ranks (the aligned pair's parity sweep over model families); fails the test on
     a non-zero exit. ``extra``: e.g. ``--families llama,qwen2``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "helpers.families", "--config", str(config), "--out", str(out), "--steps", str(steps), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
+    proc = run_module("helpers.families", ["--config", config, "--out", out, "--steps", steps, *extra], 2,
+                      timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

@@ -4,9 +4,11 @@
     python benchmarks/startup.py --rounds 5 --nproc 2
 
 Per round, in rotating order: a bare 2-rank torchrun whose ranks import torch, join a gloo
-group and all-reduce once; and a 1-step `tiny` job of `helpers.train` per backend. Prints
-the median wall time of each and the ratio job / bare, with the spread over rounds. Not a
-test: run it on an idle box.
+group and all-reduce once; the same with the libraries each backend's job cannot start without
+imported first (the "floor": FSDP2 and transformers' Llama; DeepSpeed and transformers' Llama);
+and a 1-step `tiny` job of `helpers.train` per backend. Prints the median wall time of each, the
+ratio job / bare (the goal) and job / floor (what the harness adds to its libraries' imports), with
+the spread over rounds. Not a test: run it on an idle box.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BARE = ("import os, torch, torch.distributed as d; d.init_process_group('gloo'); "
         "t = torch.ones(1); d.all_reduce(t); d.destroy_process_group()")
+LIBS = {"fsdp": "import torch.distributed.fsdp, transformers.models.llama.modeling_llama; ",
+        "deepspeed": "import deepspeed, transformers.models.llama.modeling_llama; "}
 CONFIGS = {"fsdp": "launch_configs/fsdp/full_shard.yaml", "deepspeed": "launch_configs/deepspeed/zero3.yaml"}
 
 
@@ -41,13 +45,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning", "GUIDE_PROGRESS": "0"}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    times: dict[str, list[float]] = {"bare": [], **{b: [] for b in CONFIGS}}
+    names = ["bare", *(f"floor_{b}" for b in CONFIGS), *CONFIGS]
+    times: dict[str, list[float]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = list(times)[r % 3:] + list(times)[:r % 3]
+            order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 if name == "bare":
                     cmd = [*run, "--no-python", sys.executable, "-c", BARE]
+                elif name.startswith("floor_"):
+                    cmd = [*run, "--no-python", sys.executable, "-c", LIBS[name[6:]] + BARE]
                 else:
                     cmd = [*run, "-m", "helpers.train", "--config", CONFIGS[name], "--out",
                            str(Path(tmp) / f"{name}_{r}"), "--model", "tiny", "--steps", "1"]
@@ -57,10 +64,14 @@ def main(argv=None) -> int:
     print(f"\nbare torchrun ({args.nproc} ranks): median {bare:.1f} s  (range {min(times['bare']):.1f}-"
           f"{max(times['bare']):.1f})")
     for b in CONFIGS:
-        t = times[b]
+        t, floor = times[b], times[f"floor_{b}"]
         ratios = [x / y for x, y in zip(t, times["bare"], strict=True)]
+        over_floor = [x / y for x, y in zip(t, floor, strict=True)]
         print(f"{b:<9} 1-step tiny job: median {statistics.median(t):.1f} s, x{statistics.median(t) / bare:.2f} "
               f"bare (per-round ratios {min(ratios):.2f}-{max(ratios):.2f}; goal <= 1.5)")
+        print(f"{'':<9} its floor (bare + {LIBS[b].strip('; ')}): median {statistics.median(floor):.1f} s; "
+              f"job / floor x{statistics.median(t) / statistics.median(floor):.2f} (per round "
+              f"{min(over_floor):.2f}-{max(over_floor):.2f})")
     return 0
 
 

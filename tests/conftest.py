@@ -39,15 +39,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"CPU only: {mark.args[0] if mark.args else ''}"))
 
 
-def job_cmd(config: str, out: Path, nproc: int = 2, *extra: str) -> list[str]:
-    """torchrun (nproc > 0) or plain python (nproc == 0) -m helpers.train. On a GPU node with fewer GPUs
+def module_cmd(module: str, args: list, nproc: int = 2) -> list[str]:
+    """torchrun (nproc > 0) or plain python (nproc == 0) -m module args. On a GPU node with fewer GPUs
     than ``nproc`` the test is skipped: nccl takes one GPU per rank."""
     gpus = gpu_count()
     if gpus and nproc > gpus:
         pytest.skip(f"needs {nproc} GPUs (one per nccl rank); this node has {gpus}")
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc else [sys.executable])
-    return [*launcher, "-m", "helpers.train", "--config", config, "--out", str(out), *extra]
+    return [*launcher, "-m", module, *(str(a) for a in args)]
+
+
+def job_cmd(config: str, out: Path, nproc: int = 2, *extra: str) -> list[str]:
+    """``module_cmd`` for helpers.train."""
+    return module_cmd("helpers.train", ["--config", config, "--out", out, *extra], nproc)
 
 
 def forked(launcher: str) -> bool:
@@ -63,12 +68,7 @@ def run_module(module: str, args: list, nproc: int = 2, *, timeout: int = 600, e
     """``torchrun --nproc_per_node nproc -m module args`` (nproc 0: ``python -m module args``) to the end, as
     subprocess.run with captured text output. ``env`` adds variables (e.g. GUIDE_FAIL_*)."""
     args = [str(a) for a in args]
-    if nproc:
-        gpus = gpu_count()
-        if gpus and nproc > gpus:
-            pytest.skip(f"needs {nproc} GPUs (one per nccl rank); this node has {gpus}")
-    cmd = [*([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-             if nproc else [sys.executable]), "-m", module, *args]
+    cmd = module_cmd(module, args, nproc)
     full_env = {**job_env(), **(env or {})}
     if forked(launcher):
         import zygote

@@ -69,11 +69,12 @@ def run_module(module: str, args: list, nproc: int = 2, *, timeout: int = 600, e
     subprocess.run with captured text output. ``env`` adds variables (e.g. GUIDE_FAIL_*)."""
     args = [str(a) for a in args]
     cmd = module_cmd(module, args, nproc)
-    full_env = {**job_env(), **(env or {})}
+    base = job_env()
+    full_env = {**base, **(env or {})}
     if forked(launcher):
         import zygote
 
-        return zygote.run(module, args, nproc, full_env, str(REPO), timeout, cmd)
+        return zygote.run(module, args, nproc, full_env, str(REPO), timeout, cmd, server_env=base)
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -45,12 +45,13 @@ def _start(env: dict, cwd: str) -> subprocess.Popen:
 
 
 def run(module: str, argv: list[str], nproc: int, env: dict, cwd: str | Path, timeout: float,
-        cmd: list[str]) -> subprocess.CompletedProcess:
-    """``python -m module argv`` on ``nproc`` ranks (0: one process, no process group), as subprocess.run."""
+        cmd: list[str], server_env: dict) -> subprocess.CompletedProcess:
+    """``python -m module argv`` on ``nproc`` ranks (0: one process, no process group), as subprocess.run.
+    ``env``: the job's environment; ``server_env``: the server's, when this call starts it (no job's own)."""
     global _server
     with _lock, tempfile.TemporaryDirectory(prefix="zygote_") as tmp:
         if _server is None or _server.poll() is not None:
-            _server = _start(env, str(cwd))
+            _server = _start(server_env, str(cwd))
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         request = dict(module=module, argv=list(argv), nproc=nproc, env=env, cwd=str(cwd), out=out, err=err,
                        timeout=timeout)

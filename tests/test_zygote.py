@@ -1,9 +1,9 @@
 """The unit tests' forked ranks (tests/zygote.py) train and fail exactly as torchrun's do."""
 
-import json
-
 import pytest
-from conftest import FSDP, ZERO3, run_job, run_module, summary
+from conftest import FSDP, ZERO3, run_job, run_module
+
+from helpers.results import load_run
 
 STEPS = ("--model", "tiny", "--steps", "3")
 
@@ -15,10 +15,9 @@ def test_forked_ranks_train_like_torchrun(tmp_path, config):
     for launcher in ("auto", "torchrun"):
         proc = run_job(config, tmp_path / launcher, 2, *STEPS, launcher=launcher)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        steps = [json.loads(line) for line in (tmp_path / launcher / "metrics.jsonl").read_text().splitlines()]
-        s = summary(tmp_path / launcher)
-        runs[launcher] = dict(loss=[m["loss"] for m in steps], grad_norm=[m["grad_norm"] for m in steps],
-                              status=s["status"], world_size=s["world_size"], memory_bytes=s["memory_bytes"])
+        run = load_run(tmp_path / launcher)  # completed, every step in metrics.jsonl
+        runs[launcher] = dict(loss=run.metrics["loss"].tolist(), grad_norm=run.metrics["grad_norm"].tolist(),
+                              world_size=run.summary["world_size"], memory_bytes=run.summary["memory_bytes"])
     assert len(runs["auto"]["loss"]) == 3
     for key in runs["auto"]:  # bit for bit: the same seed, data and arithmetic
         assert runs["auto"][key] == runs["torchrun"][key], (key, runs["auto"][key], runs["torchrun"][key])

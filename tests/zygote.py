@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
-           "transformers.models.llama.modeling_llama", "helpers.train"]
+           "transformers.models.llama.modeling_llama"]  # not helpers: each rank imports its own (see _rank)
 TERM_GRACE_S = 30.0  # torchrun's own wait between SIGTERM and SIGKILL when a rank fails
 
 _server: subprocess.Popen | None = None

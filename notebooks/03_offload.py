@@ -85,7 +85,7 @@ elif NVME_STATE == "built":
     print("NVMe run: DeepSpeed's async_io op is built; the NVMe run starts right away.")
 else:
     print("NVMe run: async_io is NOT built yet. The NVMe cell below waits for a one-time compile "
-          "(~5 min on 2 cores) before its first step; `python -m helpers.warmup --nvme` does it ahead of time.")
+          "(a few minutes on 2 cores) before its first step; `python -m helpers.warmup --nvme` does it ahead of time.")
 
 # %% [markdown]
 # ## The offload keys

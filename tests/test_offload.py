@@ -5,6 +5,8 @@ the NVMe config is skipped (say why); CI installs it (make setup).
 """
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 from conftest import FSDP, REPO, ZERO3, run_job, summary
@@ -22,6 +24,7 @@ CONFIGS = {
     "zero3_nvme": "launch_configs/deepspeed/zero3_nvme.yaml",
 }
 NVME_OK, NVME_STATE = offload.aio_status()
+STARTED = time.time()  # before this file's jobs
 needs_nvme = pytest.mark.skipif(not NVME_OK, reason=f"NVMe offload: {NVME_STATE}")
 
 
@@ -115,6 +118,22 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
     paths = {cfg["deepspeed"]["json"]["zero_optimization"][k]["nvme_path"]
              for k in ("offload_param", "offload_optimizer")}
     assert paths == {str((nvme["out"] / "nvme_swap").resolve())}  # relative path: inside the run
+
+
+@needs_nvme
+def test_deepspeed_swaps_with_our_async_io_built_without_debug_info(offload_runs):
+    """The NVMe job above loaded (or built) helpers.offload's build of async_io; DeepSpeed compiled no other."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from torch.utils.cpp_extension import _get_build_directory
+
+    ours = offload.load_aio()
+    assert AsyncIOBuilder().load(verbose=False) is ours  # what DeepSpeed's swappers get in a process that loaded ours
+    built = Path(_get_build_directory(offload.AIO_OP, verbose=False))
+    cflags = next(line for line in (built / "build.ninja").read_text().splitlines() if line.startswith("cflags ="))
+    assert "-O0" in cflags.split() and "-g" not in cflags.split(), cflags
+    theirs = Path(_get_build_directory(AsyncIOBuilder.NAME, verbose=False))
+    touched = [f.name for f in theirs.glob("*") if f.stat().st_mtime >= STARTED]
+    assert not touched, f"a job built DeepSpeed's own {AsyncIOBuilder.NAME} op: {touched}"
 
 
 def test_swap_file_names_map_to_categories(tmp_path):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from helpers.offload import AIO_OP
 from helpers.warmup import clear_stale_locks
 
 
@@ -20,17 +21,17 @@ def _lock(root, name, age_s):
 
 def test_stale_lock_is_removed_and_said(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    _, lock = _lock(tmp_path, "async_io", age_s=3600)
+    _, lock = _lock(tmp_path, AIO_OP, age_s=3600)
     notes = clear_stale_locks()
     assert not lock.exists()
-    assert len(notes) == 1 and "interrupted build of DeepSpeed's async_io op" in notes[0] and "60 min" in notes[0]
+    assert len(notes) == 1 and f"interrupted build of DeepSpeed's {AIO_OP} op" in notes[0] and "60 min" in notes[0]
     assert clear_stale_locks() == []  # nothing left to say
 
 
 def test_fresh_or_busy_lock_is_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     _, fresh = _lock(tmp_path, "deepspeed_shm_comm", age_s=5)  # a build that has just taken the lock
-    busy_dir, busy = _lock(tmp_path, "async_io", age_s=3600)
+    busy_dir, busy = _lock(tmp_path, AIO_OP, age_s=3600)
     worker = subprocess.Popen(["sleep", "60"], cwd=busy_dir)  # stands for ninja, which runs in the build dir
     try:
         time.sleep(0.2)

@@ -23,13 +23,15 @@ setup: $(STAMP)
 # torch first, with pip, from its pin (the CPU build on this machine; keep a CUDA build you
 # installed yourself on a GPU node), then the rest without build isolation so the
 # DeepSpeed sdist builds against that torch instead of downloading another. The rest goes in
-# with uv, a pip-compatible installer (the same packages at the same versions as pip's: 11 s
+# with uv, a pip-compatible installer (the same packages at the same versions as pip's: 23 s
 # against 58 s on 2 cores); with pip if uv cannot (a private index only pip is told about, say).
+# --compile-bytecode writes the .pyc files as pip does: where PYTHONDONTWRITEBYTECODE is set (as on
+# CI's machines) nothing else writes them, and every job's ranks would compile transformers afresh.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=64" wheel uv $(QUIET)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 $(QUIET)
-	$(VENV)/bin/uv pip install -q --python $(PY) --no-build-isolation -e ".[dev]" || { \
+	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --no-build-isolation -e ".[dev]" || { \
 		echo "setup: uv could not install the dependencies (above); pip instead"; \
 		$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[dev]" $(QUIET); }
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null

@@ -54,7 +54,7 @@ SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 4 if SIZE == "quick" else 10
 GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
-ARGS = "--model tiny --micro-batch 8 --seq-len 64"  # 0.58M params: every run takes seconds
+ARGS = "--model tiny --micro-batch 8 --seq-len 64"  # the tiny model: its sizes are printed below
 NVME_OK, NVME_STATE = offload.aio_status()
 os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC), ARGS=ARGS, NVME="1" if NVME_OK else "0",
                   NVME_STATE=NVME_STATE)
@@ -69,17 +69,25 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # kept whole on every rank), and every parameter partition is under the second. With
 # `ARGS = "--model small ..."` the decoder-layer matrices are over the threshold, so only
 # their partitions are kept, and the partitions of the embedding and output layer are large
-# enough to be swapped: the same cells run. The two limits, and both models' sizes
+# enough to be swapped. The two limits, and both models' sizes
 # next to them (bf16 partitions of 1/`NPROC`, built on the meta device: no weights):
 
 # %%
+import json
+from pathlib import Path
+
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from helpers.models import resolve_model
 from helpers.wrap import meta_model
 
-THRESHOLD = DeepSpeedZeroConfig().param_persistence_threshold  # the shipped zero3*.json keep DeepSpeed's default
+DS_JSONS = [f"launch_configs/{path}.json" for path in ("deepspeed/zero3", "deepspeed/zero3_offload_optimizer",
+                                                        "deepspeed/zero3_offload", "deepspeed/zero3_nvme")]
+THRESHOLDS = {int(float(json.loads(Path(f).read_text())["zero_optimization"].get(
+    "stage3_param_persistence_threshold", DeepSpeedZeroConfig().param_persistence_threshold))) for f in DS_JSONS}
+assert len(THRESHOLDS) == 1, f"this notebook's DeepSpeed configs set different persistence thresholds: {THRESHOLDS}"
+THRESHOLD = THRESHOLDS.pop()  # the four DeepSpeed configs run here (each its own value, or DeepSpeed's default)
 print(f"stage3_param_persistence_threshold {THRESHOLD:,} elements; NVMe swaps tensors of at least "
       f"{MIN_AIO_BYTES / 2**20:g} MiB per rank")
 SHAPES = {}
@@ -188,8 +196,9 @@ axes[0].figure.tight_layout()
 #   Adam's states and the reduced gradient partitions go to the host, while the bf16
 #   parameter partitions stay next to the compute. Offloading to the CPU, DeepSpeed also
 #   keeps an fp32 copy of the gradient partition on the host for its host-side step, so the
-#   "grads" bar grows: offload moves bytes *and* adds some (the NVMe run, whose optimizer
-#   steps through its swap buffers, shows no such copy).
+#   "grads" bar grows by one fp32 copy of the partition (the check below): offload moves bytes
+#   *and* adds some. (The NVMe run's fp32 master is in a swap file, and the buffers its
+#   optimizer steps through are not in these counts: its "grads" show the bf16 partition only.)
 # * **Params + optimizer** moves the bf16 parameter partitions to the host too. The
 #   "persistent" small parameters that ZeRO-3 keeps whole stay next to the compute - in
 #   this tiny model that is every decoder-layer weight, whose bytes "device" keeps (the check
@@ -213,7 +222,8 @@ claim("FSDP without offload keeps params, grads and optimizer states on the devi
       all(places("FSDP, no offload", c, r) == {"device"} for c in ALL3 for r in R))
 claim("FSDP offload moves all three to the host together, on every rank (the seeds' 'all or nothing')",
       all(places("FSDP offload", c, r) == {"host"} for c in ALL3 for r in R))
-claim("FSDP offload holds the same bytes as no offload (it moves them, adds none)",
+claim("FSDP offload holds the same state bytes as no offload: the same shards, moved (buffers outside the "
+      "state are not in these counts)",
       RUNS["FSDP offload"].summary["memory_bytes"] == RUNS["FSDP, no offload"].summary["memory_bytes"])
 claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the fp32 master, Adam's states "
       "and the grad partitions on the host",
@@ -222,9 +232,12 @@ claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the
               for c in ("optimizer_states", "master_params", "grads") for r in R))
 host_grads = [offload.where(RUNS["DeepSpeed optimizer"], "grads", r)["host"] for r in R]
 dev_grads = [sum(offload.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
-claim("with offload_optimizer DeepSpeed holds more gradient bytes (an fp32 copy for the host-side step)",
-      all(h > d for h, d in zip(host_grads, dev_grads)), host_MB=[h / 1e6 for h in host_grads],
-      no_offload_MB=[d / 1e6 for d in dev_grads])
+fp32_master = [RUNS["DeepSpeed, no offload"].summary["memory_bytes"][r]["master_params"] for r in R]
+claim("with offload_optimizer DeepSpeed holds one more fp32 copy of the gradient partition (for the host-side "
+      "step): its extra gradient bytes equal the fp32 master's", all(h - d == m for h, d, m in
+                                                                     zip(host_grads, dev_grads, fp32_master)),
+      host_MB=[h / 1e6 for h in host_grads], no_offload_MB=[d / 1e6 for d in dev_grads],
+      fp32_master_MB=[m / 1e6 for m in fp32_master])
 both = [offload.where(RUNS["DeepSpeed params + optimizer"], "params", r) for r in R]
 alone = [offload.where(RUNS["DeepSpeed optimizer"], "params", r) for r in R]
 claim("adding offload_param moves some of the same param bytes to the host; the small persistent ones stay",
@@ -271,7 +284,10 @@ else:
 # the device peak is what offload lowers; on this machine host and device are one memory,
 # so offload has nowhere to move the bytes. Nor could these peaks show it: each run's whole
 # state is a small part of its peak (the check below), and peaks move between identical jobs
-# (notebook 08), so the peaks are shown without a claim about offload:
+# (notebook 08), so the peaks are shown without a claim about the state offload moves. What
+# they do show is that the NVMe run saved no RAM: its peak is above DeepSpeed's without
+# offload (the check below; next to it, the bytes of the parameter swap buffers its config
+# asks for, `buffer_count` x `buffer_size` bf16 elements per rank):
 
 # %%
 totals = offload.location_totals(RUNS)
@@ -285,6 +301,12 @@ else:
     share = {label: totals.loc[label, "total"] * 1e6 / peak[label] for label in RUNS}
     claim("every run's state is under 5% of its process's peak", max(share.values()) < 0.05,
           state_over_peak={label: round(x, 4) for label, x in share.items()})
+if NVME_OK:
+    swap = json.loads(Path("launch_configs/deepspeed/zero3_nvme.json").read_text())["zero_optimization"]["offload_param"]
+    claim("the NVMe run's peak is above DeepSpeed's without offload: moving states to disk saved no RAM here",
+          peak["DeepSpeed NVMe"] > peak["DeepSpeed, no offload"], nvme_MB=peak["DeepSpeed NVMe"] / 1e6,
+          no_offload_MB=peak["DeepSpeed, no offload"] / 1e6,
+          param_swap_buffers_MB=swap["buffer_count"] * swap["buffer_size"] * 2 / 1e6)
 
 # %% [markdown]
 # ## 3 · What the copies cost
@@ -382,7 +404,7 @@ if not NVME_OK:
 #
 # Nothing below is part of the story above, and nothing runs until you click **Run**. The
 # panel's defaults are this notebook's own command (`$ARGS --steps $STEPS`); it launches the selected configs
-# into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its decoder-layer matrices are then over the persistence threshold (only their partitions are kept), and its largest partitions are big enough for NVMe.
+# into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its decoder-layer matrices are then over the persistence threshold (only their partitions are kept).
 
 # %%
 from helpers import widgets

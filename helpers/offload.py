@@ -36,6 +36,7 @@ import torch
 
 from .mapping import CATEGORIES
 from .memory import _ds_tensors, _fsdp_tensors, _local
+from .warmup import AIO_OP  # our build of DeepSpeed's async_io op (its build dir under $TORCH_EXTENSIONS_DIR)
 
 LOCATIONS = ("device", "host", "disk")
 
@@ -202,7 +203,6 @@ def prepare(job, out: str) -> list[str]:
     return notes
 
 
-AIO_OP = "async_io_nodebug"  # our build of DeepSpeed's async_io op (its build dir under $TORCH_EXTENSIONS_DIR)
 
 
 def _aio_builder():
@@ -210,9 +210,9 @@ def _aio_builder():
 
     DeepSpeed compiles async_io with ``-O0 -g`` (its comment: for debugging; the op is bound by I/O).
     The debug information is almost half of the compile time (2 idle cores: 230 s with it, 127 s
-    without), and nobody debugs the op in this guide: same sources, same other flags, no ``-g``. Its own name keeps this
-    build apart from DeepSpeed's (a process without ``helpers``, sharing the build cache, compiles
-    DeepSpeed's own rather than rebuilding this one with other flags)."""
+    without), and nobody debugs the op in this guide: same sources, same other flags, no ``-g``.
+    Its own name keeps this build apart from DeepSpeed's (a process without ``helpers``, sharing the
+    build cache, compiles DeepSpeed's own rather than rebuilding this one with other flags)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -242,7 +242,7 @@ def build_aio() -> list[str]:
     """Load DeepSpeed's async_io op for this rank, building it on first use (before the job's --timeout
     clock starts), saying so.
 
-    ``make setup`` does not build it (~3 min on 2 cores, for one notebook cell); the first NVMe job
+    ``make setup`` does not build it (~2 min on 2 cores, for one notebook cell); the first NVMe job
     does, once per checkout (cached under $TORCH_EXTENSIONS_DIR; ``python -m helpers.warmup --nvme`` builds
     it ahead, e.g. before a workshop). Every rank calls this; torch's build lock makes one build and the
     others wait for it. Returns a note for log.txt when this job built it."""
@@ -255,7 +255,7 @@ def build_aio() -> list[str]:
 
     notes = clear_stale_locks((AIO_OP,))
     if int(os.environ.get("RANK", "0")) == 0:
-        print("note: building DeepSpeed's async_io op for NVMe offload: first use on this machine, about 3 min "
+        print("note: building DeepSpeed's async_io op for NVMe offload: first use on this machine, about 2 min "
               "on 2 cores, once (python -m helpers.warmup --nvme builds it ahead)", flush=True)
     t0 = time.perf_counter()
     load_aio()
@@ -269,7 +269,7 @@ def aio_status() -> tuple[bool, str]:
     if not b.is_compatible(verbose=False):
         return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev)"
     return True, ("built" if _built(AIO_OP) else
-                  "not built yet: the first NVMe job compiles it (~3 min on 2 cores, once)")
+                  "not built yet: the first NVMe job compiles it (~2 min on 2 cores, once)")
 
 
 def _built(name: str) -> bool:

@@ -7,7 +7,7 @@ What it builds, and what each costs the first time on 2 idle cores:
 
 * ``deepspeed_shm_comm`` (shared-memory collectives; every DeepSpeed CPU job), about 30 s;
 * with ``--nvme``: ``async_io`` (Linux async I/O; only NVMe offload,
-  ``launch_configs/deepspeed/zero3_nvme.yaml``), ~3 min (built without debug info:
+  ``launch_configs/deepspeed/zero3_nvme.yaml``), ~2 min (built without debug info:
   ``helpers.offload.load_aio``), and only where libaio's header is
   installed (``apt-get install libaio-dev``; ``make setup`` installs it when run as root). Without
   ``--nvme`` the first NVMe job builds it, saying so, before its ``--timeout`` clock starts
@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-OPS = ("deepspeed_shm_comm", "async_io_nodebug")  # the CPU ops built here (names of their build dirs; the
-# second is DeepSpeed's async_io without debug info: helpers.offload.AIO_OP)
+AIO_OP = "async_io_nodebug"  # DeepSpeed's async_io op as helpers.offload builds it (without debug info)
+OPS = ("deepspeed_shm_comm", AIO_OP)  # the CPU ops built here (names of their build dirs)
 
 
 def clear_stale_locks(names=OPS, min_age_s: float = 60.0) -> list[str]:
@@ -106,7 +106,7 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     if state != "built":
-        print("warmup: building DeepSpeed's async_io op for NVMe offload (~3 min on 2 cores, once)...", flush=True)
+        print("warmup: building DeepSpeed's async_io op for NVMe offload (~2 min on 2 cores, once)...", flush=True)
     from .offload import load_aio
 
     load_aio()

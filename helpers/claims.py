@@ -67,12 +67,15 @@ class Timing:
             return "faster"
         return "within noise"
 
-    def __str__(self) -> str:
-        said = {"slower": "slower than", "faster": "faster than", "within noise": "within this machine's noise of"}
+    def measured(self) -> str:
+        """The medians, their quartiles and the ratio, without a verdict."""
         return (f"{self.name_a} {self.median_a * 1e3:.0f} ms (quartiles {self.spread_a[0] * 1e3:.0f}-"
                 f"{self.spread_a[1] * 1e3:.0f}) vs {self.name_b} {self.median_b * 1e3:.0f} ms "
-                f"({self.spread_b[0] * 1e3:.0f}-{self.spread_b[1] * 1e3:.0f}): x{self.ratio:.2f}, "
-                f"{said[self.verdict]} {self.name_b}")
+                f"({self.spread_b[0] * 1e3:.0f}-{self.spread_b[1] * 1e3:.0f}): x{self.ratio:.2f}")
+
+    def __str__(self) -> str:
+        said = {"slower": "slower than", "faster": "faster than", "within noise": "within this machine's noise of"}
+        return f"{self.measured()}, {said[self.verdict]} {self.name_b}"
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:

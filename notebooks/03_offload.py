@@ -88,8 +88,8 @@ THRESHOLDS = {int(float(json.loads(Path(f).read_text())["zero_optimization"].get
     "stage3_param_persistence_threshold", DeepSpeedZeroConfig().param_persistence_threshold))) for f in DS_JSONS}
 assert len(THRESHOLDS) == 1, f"this notebook's DeepSpeed configs set different persistence thresholds: {THRESHOLDS}"
 THRESHOLD = THRESHOLDS.pop()  # the four DeepSpeed configs run here (each its own value, or DeepSpeed's default)
-NVME_MIN = max(MIN_AIO_BYTES, json.loads(Path("launch_configs/deepspeed/zero3_nvme.json").read_text())
-               .get("aio", {}).get("block_size", 0))  # as DeepSpeed's swappers take it
+NVME_JSON = json.loads(Path("launch_configs/deepspeed/zero3_nvme.json").read_text())
+NVME_MIN = max(MIN_AIO_BYTES, NVME_JSON.get("aio", {}).get("block_size", 0))  # as DeepSpeed's swappers take it
 print(f"stage3_param_persistence_threshold {THRESHOLD:,} elements; NVMe swaps tensors of at least "
       f"{NVME_MIN / 2**20:g} MiB per rank")
 SHAPES = {}
@@ -305,7 +305,7 @@ else:
     claim("every run's state is under 5% of its process's peak", max(share.values()) < 0.05,
           state_over_peak={label: round(x, 4) for label, x in share.items()})
 if NVME_OK:
-    swap = json.loads(Path("launch_configs/deepspeed/zero3_nvme.json").read_text())["zero_optimization"]["offload_param"]
+    swap = NVME_JSON["zero_optimization"]["offload_param"]
     claim("the NVMe run's peak is above DeepSpeed's without offload: moving states to disk saved no RAM here",
           peak["DeepSpeed NVMe"] > peak["DeepSpeed, no offload"], nvme_MB=peak["DeepSpeed NVMe"] / 1e6,
           no_offload_MB=peak["DeepSpeed, no offload"] / 1e6,
@@ -331,9 +331,7 @@ ax.set(ylabel="median step time / no offload", title="step time relative to the 
 ax.tick_params(axis="x", rotation=20)
 ax.figure.tight_layout()
 for t in TIMES.values():
-    print(f"{t.name_a:30s} {t.median_a * 1e3:4.0f} ms (quartiles {t.spread_a[0] * 1e3:.0f}-{t.spread_a[1] * 1e3:.0f}) "
-          f"vs no offload {t.median_b * 1e3:4.0f} ms ({t.spread_b[0] * 1e3:.0f}-{t.spread_b[1] * 1e3:.0f}): "
-          f"x{t.ratio:.2f}, one run each")
+    print(f"{t.measured()}, one run each")
 claim("every ratio compares two runs of the same backend, model and steps, each with steps after the warm-up",
       all(RUNS[label].backend == BASE[label].backend and RUNS[label].summary["steps"] == BASE[label].summary["steps"]
           and RUNS[label].summary["model"] == BASE[label].summary["model"]

@@ -7,8 +7,8 @@ What it builds, and what each costs the first time on 2 idle cores:
 
 * ``deepspeed_shm_comm`` (shared-memory collectives; every DeepSpeed CPU job), about 30 s;
 * with ``--nvme``: ``async_io`` (Linux async I/O; only NVMe offload,
-  ``launch_configs/deepspeed/zero3_nvme.yaml``), ~2 min (built without debug info:
-  ``helpers.offload.load_aio``), and only where libaio's header is
+  ``launch_configs/deepspeed/zero3_nvme.yaml``), ~40 s (built as one file, without debug info:
+  ``helpers.offload._aio_builder``), and only where libaio's header is
   installed (``apt-get install libaio-dev``; ``make setup`` installs it when run as root). Without
   ``--nvme`` the first NVMe job builds it, saying so, before its ``--timeout`` clock starts
   (``helpers.offload.build_aio``). Without libaio the offload notebook skips its NVMe run, saying why.
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-AIO_OP = "async_io_nodebug"  # DeepSpeed's async_io op as helpers.offload builds it (without debug info)
+AIO_OP = "async_io_guide"  # DeepSpeed's async_io op as helpers.offload builds it (one file, no debug info)
 OPS = ("deepspeed_shm_comm", AIO_OP)  # the CPU ops built here (names of their build dirs)
 
 
@@ -106,7 +106,7 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     if state != "built":
-        print("warmup: building DeepSpeed's async_io op for NVMe offload (~2 min on 2 cores, once)...", flush=True)
+        print("warmup: building DeepSpeed's async_io op for NVMe offload (~40 s on 2 cores, once)...", flush=True)
     from .offload import load_aio
 
     load_aio()

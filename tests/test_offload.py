@@ -121,7 +121,7 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
 
 
 @needs_nvme
-def test_deepspeed_swaps_with_our_async_io_built_without_debug_info(offload_runs):
+def test_deepspeed_swaps_with_our_async_io_built_as_one_file_without_debug_info(offload_runs):
     """The NVMe job above loaded (or built) helpers.offload's build of async_io; DeepSpeed compiled no other."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
     from torch.utils.cpp_extension import _get_build_directory
@@ -131,6 +131,9 @@ def test_deepspeed_swaps_with_our_async_io_built_without_debug_info(offload_runs
     built = Path(_get_build_directory(offload.AIO_OP, verbose=False))
     cflags = next(line for line in (built / "build.ninja").read_text().splitlines() if line.startswith("cflags ="))
     assert "-O0" in cflags.split() and "-g" not in cflags.split(), cflags
+    objects = sorted(f.name for f in built.glob("*.o"))  # py_lib's nine sources as one, common's three alone
+    assert objects == sorted(["_all_py_lib.o", "deepspeed_aio_common.o", "deepspeed_aio_types.o",
+                              "deepspeed_aio_utils.o"]), objects
     theirs = Path(_get_build_directory(AsyncIOBuilder.NAME, verbose=False))
     touched = [f.name for f in theirs.glob("*") if f.stat().st_mtime >= STARTED]
     assert not touched, f"a job built DeepSpeed's own {AsyncIOBuilder.NAME} op: {touched}"

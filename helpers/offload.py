@@ -214,9 +214,10 @@ def _aio_builder():
     of torch and pybind11 headers, and the debug information doubles that. Here the nine are compiled as
     one file (``_staged_aio_sources``) and without ``-g``; the other three (``common/``, plain C++ with
     file-level names that clash with py_lib's) as they are. Same code, same other flags; on 2 idle cores
-    the build takes ~40 s instead of 230 s. Its own name keeps this build apart from DeepSpeed's (a
-    process without ``helpers``, sharing the build cache, compiles DeepSpeed's own rather than
-    rebuilding this one)."""
+    the build takes ~30 s instead of 230 s. Loading it first loads DeepSpeed's ``pin_memory`` op (its
+    pinned-buffer manager), built as DeepSpeed builds it, ~25 s on first use: ~1 min in all. Its own
+    name keeps this build apart from DeepSpeed's (a process without ``helpers``, sharing the build
+    cache, compiles DeepSpeed's own rather than rebuilding this one)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -291,7 +292,7 @@ def build_aio() -> list[str]:
     """Load DeepSpeed's async_io op for this rank, building it on first use (before the job's --timeout
     clock starts), saying so.
 
-    ``make setup`` does not build it (~40 s on 2 cores, for one notebook cell); the first NVMe job
+    ``make setup`` does not build it (~1 min on 2 cores, for one notebook cell); the first NVMe job
     does, once per checkout (cached under $TORCH_EXTENSIONS_DIR; ``python -m helpers.warmup --nvme`` builds
     it ahead, e.g. before a workshop). Every rank calls this; torch's build lock makes one build and the
     others wait for it. Returns a note for log.txt when this job built it."""
@@ -304,7 +305,7 @@ def build_aio() -> list[str]:
 
     notes = clear_stale_locks((AIO_OP,))
     if int(os.environ.get("RANK", "0")) == 0:
-        print("note: building DeepSpeed's async_io op for NVMe offload: first use on this machine, about 40 s "
+        print("note: building DeepSpeed's async_io op for NVMe offload: first use on this machine, about 1 min "
               "on 2 cores, once (python -m helpers.warmup --nvme builds it ahead)", flush=True)
     t0 = time.perf_counter()
     load_aio()
@@ -318,7 +319,7 @@ def aio_status() -> tuple[bool, str]:
     if not b.is_compatible(verbose=False):
         return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev)"
     return True, ("built" if _built(AIO_OP) else
-                  "not built yet: the first NVMe job compiles it (~40 s on 2 cores, once)")
+                  "not built yet: the first NVMe job compiles it (~1 min on 2 cores, once)")
 
 
 def _built(name: str) -> bool:

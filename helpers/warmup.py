@@ -7,7 +7,7 @@ What it builds, and what each costs the first time on 2 idle cores:
 
 * ``deepspeed_shm_comm`` (shared-memory collectives; every DeepSpeed CPU job), about 30 s;
 * with ``--nvme``: ``async_io`` (Linux async I/O; only NVMe offload,
-  ``launch_configs/deepspeed/zero3_nvme.yaml``), ~40 s (built as one file, without debug info:
+  ``launch_configs/deepspeed/zero3_nvme.yaml``), ~1 min (mostly built as one file, without debug info:
   ``helpers.offload._aio_builder``), and only where libaio's header is
   installed (``apt-get install libaio-dev``; ``make setup`` installs it when run as root). Without
   ``--nvme`` the first NVMe job builds it, saying so, before its ``--timeout`` clock starts
@@ -106,7 +106,7 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     if state != "built":
-        print("warmup: building DeepSpeed's async_io op for NVMe offload (~40 s on 2 cores, once)...", flush=True)
+        print("warmup: building DeepSpeed's async_io op for NVMe offload (~1 min on 2 cores, once)...", flush=True)
     from .offload import load_aio
 
     load_aio()

@@ -113,7 +113,7 @@ claim("small: every decoder-layer matrix is over the threshold, and its largest 
 #
 # DeepSpeed reads and writes its swap files with Linux async I/O, a C++ op it compiles once
 # (it needs libaio's header: `apt-get install libaio-dev`). `make setup` installs the header
-# when it can; the first NVMe job on a machine compiles the op (about 40 s on 2 cores, once),
+# when it can; the first NVMe job on a machine compiles the op (about a minute on 2 cores, once),
 # and `python -m helpers.warmup --nvme` does it ahead of time. A cell never compiles it without
 # saying so:
 
@@ -124,7 +124,7 @@ elif NVME_STATE == "built":
     print("NVMe run: DeepSpeed's async_io op is built; the NVMe run starts right away.")
 else:
     print("NVMe run: async_io is NOT built yet. The NVMe cell below waits for a one-time compile "
-          "(about 40 s on 2 cores) before its first step; `python -m helpers.warmup --nvme` does it ahead of time.")
+          "(about a minute on 2 cores) before its first step; `python -m helpers.warmup --nvme` does it ahead of time.")
 
 # %% [markdown]
 # ## The offload keys

@@ -43,7 +43,7 @@ from helpers.claims import claim
 SIZE = nb.setup()
 # every mode at 2 ranks, the hybrids at 4; the fully sharded pair also at 1 and 4 ranks (how sharded state
 # scales); full size adds no_shard and ZeRO-2 at 1 rank (what they do not divide). Memory is exact after 2 steps.
-# The quick size (CI's smoke test) stops at 2 ranks, as on a 2-GPU node: its four 4-rank jobs took 65 of its 143 s.
+# The quick size (CI's smoke test) stops at 2 ranks, as a 2-GPU node does: its 4-rank jobs were its longest.
 SWEEP = {"full_shard": [1, 2, 4], "zero3": [1, 2, 4]}
 if SIZE == "full":
     SWEEP.update(no_shard=[1, 2], zero2=[1, 2])

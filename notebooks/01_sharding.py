@@ -119,15 +119,15 @@ fig.tight_layout()
 
 # %% [markdown]
 # The bars meet their ticks. The check: each category, on each rank, of each run, within
-# 5% of the model (the small differences: padding of uneven shards, Adam's per-parameter step
+# 1% of the model (the small differences: padding of uneven shards, Adam's per-parameter step
 # counters), except ZeRO-1/2's gradients, which follow another rule, counted exactly further
 # below.
 
 # %%
 mem["ratio"] = mem.measured / mem.theory.where(mem.theory > 0)
 boundary = mem["mode"].isin(["zero1", "zero2"]) & (mem.category == "grads")
-off = mem[~boundary & (((mem.theory == 0) & (mem.measured != 0)) | ((mem.ratio - 1).abs() > 0.05))]
-claim("every (run, rank, category) but ZeRO-1/2's gradients is within 5% of the ZeRO model", off.empty,
+off = mem[~boundary & (((mem.theory == 0) & (mem.measured != 0)) | ((mem.ratio - 1).abs() > 0.01))]
+claim("every (run, rank, category) but ZeRO-1/2's gradients is within 1% of the ZeRO model", off.empty,
       values=int((~boundary).sum()), largest_deviation=float((mem.ratio[~boundary] - 1).abs().max()),
       outside=len(off))
 
@@ -351,7 +351,7 @@ recap
 #   (bf16) did not. HYBRID_SHARD is not in that list: its 4-rank run ended a little away from
 #   FULL_SHARD's (the final losses in the job lines at the top); we have not traced where it
 #   parts.
-# * Every measured category but ZeRO-1/2's gradients was within 5% of the ZeRO model (as the
+# * Every measured category but ZeRO-1/2's gradients was within 1% of the ZeRO model (as the
 #   theory column counts it, before the step), on every rank; those gradients were, byte for
 #   byte, the 1/N slice plus the rest of the parameters straddling its edges.
 # * Fully sharded state at 4 ranks is a quarter of 1 rank's.
@@ -384,7 +384,8 @@ from helpers import translate
 sgo = translate.translate("launch_configs/fsdp/shard_grad_op.yaml", "deepspeed")
 fs = translate.translate("launch_configs/fsdp/full_shard.yaml", "deepspeed")
 claim("SHARD_GRAD_OP translates to ZeRO-2 as the nearest choice, with a warning (not exact)",
-      sgo.json["zero_optimization"]["stage"] == 2 and not sgo.exact, warnings=len(sgo.warnings))
+      sgo.json["zero_optimization"]["stage"] == 2 and len(sgo.warnings) > 0 and not sgo.exact,
+      warnings=len(sgo.warnings))
 claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["stage"] == 3 and fs.exact,
       stage=fs.json["zero_optimization"]["stage"], warnings=len(fs.warnings))
 

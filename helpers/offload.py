@@ -229,9 +229,8 @@ def _aio_builder():
 
         def sources(self):
             root = _staged_aio_sources(super().sources(), super().include_paths())
-            together = [s for s in super().sources() if s.startswith(UNITY_DIR)]
-            return ([str(root / UNITY_DIR / UNITY_FILE)] +
-                    [str(root / s) for s in super().sources() if s not in together])
+            apart = [s for s in super().sources() if not s.startswith(UNITY_DIR)]  # common/: compiled alone
+            return [str(root / UNITY_DIR / UNITY_FILE)] + [str(root / s) for s in apart]
 
         def include_paths(self):
             root = _staged_aio_sources(super().sources(), super().include_paths())

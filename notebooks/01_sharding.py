@@ -355,7 +355,7 @@ recap
 #   theory column counts it, before the step), on every rank; those gradients were, byte for
 #   byte, the 1/N slice plus the rest of the parameters straddling its edges.
 # * Fully sharded state at 4 ranks is a quarter of 1 rank's.
-# * FSDP (aligned) and DeepSpeed hold the same total but split it differently: fp32
+# * FULL_SHARD (aligned) and ZeRO-3 hold the same total but split it differently: fp32
 #   shards and gradients vs bf16 shards and gradients + fp32 master.
 #
 # Next: `02_precision` — why the seeds' FSDP run stalled when it trained without that fp32

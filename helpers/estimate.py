@@ -213,6 +213,15 @@ def _zero(job) -> dict:
     return job.deepspeed.json.get("zero_optimization", {}) if job.backend == "deepspeed" else {}
 
 
+PERSISTENCE_DEFAULT = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (tests/test_estimate.py checks)
+
+
+def persistence_threshold(zero: dict) -> int:
+    """ZeRO-3 keeps parameters under this many elements whole on every rank: the ``zero_optimization``
+    section's ``stage3_param_persistence_threshold``, or DeepSpeed's default."""
+    return int(float(zero.get("stage3_param_persistence_threshold", PERSISTENCE_DEFAULT)))
+
+
 def _shard_group(job, key: str, world_size: int) -> int:
     """How many ranks an FSDP parameter is sharded over: 1 under NO_SHARD, the shard group under HSDP."""
     return 1 if key == "no_shard" else (job.fsdp.hybrid_shard_size or world_size)
@@ -227,7 +236,7 @@ def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float
         out = dict(theory)
         out["optimizer_states"] += 4  # one step counter per flat group
         if key.startswith("zero3"):
-            threshold = int(_zero(job).get("stage3_param_persistence_threshold", 100_000))
+            threshold = persistence_threshold(_zero(job))
             whole = sum(math.prod(s) for s in shapes.params if math.prod(s) < threshold)
             per = 2 if job.mixed_precision == "bf16" else 4
             out["params"] += per * whole * (1 - 1 / world_size)
@@ -255,7 +264,7 @@ def zero3_kept_gathered(job, shapes: Shapes, world_size: int) -> int:
     zo = _zero(job)
     if world_size == 1 or int(zo.get("stage", 0)) != 3:
         return 0
-    threshold = int(float(zo.get("stage3_param_persistence_threshold", 100_000)))
+    threshold = persistence_threshold(zo)
     reuse = int(float(zo.get("stage3_max_reuse_distance", 1e9)))
     kept = after = 0
     for n in reversed([math.prod(s) for s in shapes.params]):

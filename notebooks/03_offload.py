@@ -77,15 +77,14 @@ import json
 from pathlib import Path
 
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
-from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
+from helpers.estimate import persistence_threshold
 from helpers.models import resolve_model
 from helpers.wrap import meta_model
 
 DS_JSONS = [f"launch_configs/{path}.json" for path in ("deepspeed/zero3", "deepspeed/zero3_offload_optimizer",
                                                         "deepspeed/zero3_offload", "deepspeed/zero3_nvme")]
-THRESHOLDS = {int(float(json.loads(Path(f).read_text())["zero_optimization"].get(
-    "stage3_param_persistence_threshold", DeepSpeedZeroConfig().param_persistence_threshold))) for f in DS_JSONS}
+THRESHOLDS = {persistence_threshold(json.loads(Path(f).read_text())["zero_optimization"]) for f in DS_JSONS}
 assert len(THRESHOLDS) == 1, f"this notebook's DeepSpeed configs set different persistence thresholds: {THRESHOLDS}"
 THRESHOLD = THRESHOLDS.pop()  # the four DeepSpeed configs run here (each its own value, or DeepSpeed's default)
 NVME_JSON = json.loads(Path("launch_configs/deepspeed/zero3_nvme.json").read_text())

@@ -163,3 +163,11 @@ def test_stored_grid_holds_measurements_per_rank_that_the_estimator_rescores():
         assert len(e["predicted"]) == row["world_size"]
         assert e["error"] == max(e["per_rank"], key=abs)
         assert ("error_repeat" in e) == ("measured_repeat" in row)
+
+
+def test_persistence_default_is_deepspeeds():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert est.PERSISTENCE_DEFAULT == DeepSpeedZeroConfig().param_persistence_threshold
+    assert est.persistence_threshold({}) == est.PERSISTENCE_DEFAULT
+    assert est.persistence_threshold({"stage3_param_persistence_threshold": "1e4"}) == 10_000

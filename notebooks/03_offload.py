@@ -68,8 +68,9 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # parameter still has its 1/N partition, which is what offload moves; the small ones are also
 # kept whole on every rank), and every parameter partition is under the second. With
 # `ARGS = "--model small ..."` the decoder-layer matrices are over the threshold, so only
-# their partitions are kept, and the partitions of the embedding and output layer are large
-# enough to be swapped. The two limits, and both models' sizes
+# their partitions are kept, and on fewer than 8 ranks (this CPU runs 2) the partitions of the
+# embedding and the output layer, and only theirs, are large enough to be swapped; on 8 or
+# more, none is. The two limits, and both models' sizes
 # next to them (bf16 partitions of 1/`NPROC`, built on the meta device: no weights):
 
 # %%
@@ -97,15 +98,22 @@ for name in ("tiny", "small"):
     layers = {n: v for n, v in numel.items() if ".layers." in n}
     matrices = [v for n, v in layers.items() if not n.endswith("norm.weight")]
     SHAPES[name] = dict(params=sum(numel.values()), layer_max=max(layers.values()), layer_matrix_min=min(matrices),
-                        partition_max_bytes=max(numel.values()) * 2 // NPROC)
+                        partition_max_bytes=max(numel.values()) * 2 // NPROC,
+                        swappable=sorted(n for n, v in numel.items() if v * 2 // NPROC >= NVME_MIN))
     print(f"{name:6s} {SHAPES[name]['params'] / 1e6:5.2f}M params; decoder-layer weights {min(layers.values()):,} to "
           f"{SHAPES[name]['layer_max']:,} elements; largest bf16 partition "
-          f"{SHAPES[name]['partition_max_bytes'] / 2**20:.2f} MiB per rank")
+          f"{SHAPES[name]['partition_max_bytes'] / 2**20:.2f} MiB per rank; partitions at or over the NVMe minimum: "
+          f"{', '.join(SHAPES[name]['swappable']) or 'none'}")
 tiny, small = SHAPES["tiny"], SHAPES["small"]
 claim("tiny: every decoder-layer weight is under the threshold, and every parameter partition under the NVMe minimum",
-      tiny["layer_max"] < THRESHOLD and tiny["partition_max_bytes"] < NVME_MIN)
-claim("small: every decoder-layer matrix is over the threshold, and its largest partitions over the NVMe minimum",
-      small["layer_matrix_min"] > THRESHOLD and small["partition_max_bytes"] >= NVME_MIN)
+      tiny["layer_max"] < THRESHOLD and not tiny["swappable"])
+claim("small: every decoder-layer matrix is over the threshold", small["layer_matrix_min"] > THRESHOLD)
+if NPROC < 8:
+    claim(f"small on {NPROC} ranks: the embedding's and the output layer's partitions reach the NVMe minimum, "
+          "and no other's", small["swappable"] == ["lm_head.weight", "model.embed_tokens.weight"],
+          swappable=small["swappable"])
+else:
+    claim(f"small on {NPROC} ranks: no partition reaches the NVMe minimum", not small["swappable"])
 
 # %% [markdown]
 # ## NVMe needs a compiled op

@@ -49,6 +49,7 @@ import os
 
 from helpers import nb, offload, plots, results
 from helpers.claims import claim, step_times, timing
+from helpers.mapping import CATEGORIES
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 4 if SIZE == "quick" else 10
@@ -68,9 +69,10 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # parameter still has its 1/N partition, which is what offload moves; the small ones are also
 # kept whole on every rank), and every parameter partition is under the second. With
 # `ARGS = "--model small ..."` the decoder-layer matrices are over the threshold, so only
-# their partitions are kept, and on fewer than 8 ranks (this CPU runs 2) the partitions of the
+# their partitions are kept, and on 2 to 7 ranks (this CPU runs 2) the partitions of the
 # embedding and the output layer, and only theirs, are large enough to be swapped; on 8 or
-# more, none is. The two limits, and both models' sizes
+# more, none is (on one rank a partition is the whole tensor, and the larger decoder-layer
+# matrices reach it too). The two limits, and both models' sizes
 # next to them (bf16 partitions of 1/`NPROC`, built on the meta device: no weights):
 
 # %%
@@ -99,7 +101,8 @@ for name in ("tiny", "small"):
     matrices = [v for n, v in layers.items() if not n.endswith("norm.weight")]
     SHAPES[name] = dict(params=sum(numel.values()), layer_max=max(layers.values()), layer_matrix_min=min(matrices),
                         partition_max_bytes=max(numel.values()) * 2 // NPROC,
-                        swappable=sorted(n for n, v in numel.items() if v * 2 // NPROC >= NVME_MIN))
+                        swappable=sorted(n for n, v in numel.items() if v * 2 // NPROC >= NVME_MIN),
+                        persistent_bytes=sum(2 * v for v in numel.values() if v <= THRESHOLD))  # kept whole, bf16
     print(f"{name:6s} {SHAPES[name]['params'] / 1e6:5.2f}M params; decoder-layer weights {min(layers.values()):,} to "
           f"{SHAPES[name]['layer_max']:,} elements; largest bf16 partition "
           f"{SHAPES[name]['partition_max_bytes'] / 2**20:.2f} MiB per rank; partitions at or over the NVMe minimum: "
@@ -108,12 +111,15 @@ tiny, small = SHAPES["tiny"], SHAPES["small"]
 claim("tiny: every decoder-layer weight is under the threshold, and every parameter partition under the NVMe minimum",
       tiny["layer_max"] < THRESHOLD and not tiny["swappable"])
 claim("small: every decoder-layer matrix is over the threshold", small["layer_matrix_min"] > THRESHOLD)
-if NPROC < 8:
+EMBED_AND_HEAD = ["lm_head.weight", "model.embed_tokens.weight"]
+if 2 <= NPROC < 8:
     claim(f"small on {NPROC} ranks: the embedding's and the output layer's partitions reach the NVMe minimum, "
-          "and no other's", small["swappable"] == ["lm_head.weight", "model.embed_tokens.weight"],
-          swappable=small["swappable"])
-else:
+          "and no other's", small["swappable"] == EMBED_AND_HEAD, swappable=small["swappable"])
+elif NPROC >= 8:
     claim(f"small on {NPROC} ranks: no partition reaches the NVMe minimum", not small["swappable"])
+else:
+    claim("small on 1 rank: the embedding, the output layer and some decoder-layer matrices reach the NVMe minimum",
+          set(EMBED_AND_HEAD) < set(small["swappable"]), swappable=small["swappable"])
 
 # %% [markdown]
 # ## NVMe needs a compiled op
@@ -249,10 +255,13 @@ claim("with offload_optimizer DeepSpeed holds one more fp32 copy of the gradient
       fp32_master_MB=[m / 1e6 for m in fp32_master])
 both = [offload.where(RUNS["DeepSpeed params + optimizer"], "params", r) for r in R]
 alone = [offload.where(RUNS["DeepSpeed optimizer"], "params", r) for r in R]
-claim("adding offload_param moves some of the same param bytes to the host; the small persistent ones stay",
-      all(b.get("host", 0) > 0 and b.get("device", 0) > 0 and b["host"] + b["device"] == a["device"]
+persistent = SHAPES[RUNS["DeepSpeed params + optimizer"].summary["model"]]["persistent_bytes"]
+claim("adding offload_param moves the same param bytes to the host but for the persistent ones, which stay whole "
+      "on the device (bf16 bytes of every parameter of at most the threshold's elements)",
+      all(b.get("host", 0) > 0 and b.get("device", 0) == persistent and b["host"] + b["device"] == a["device"]
           for b, a in zip(both, alone)),
-      host_MB=[b.get("host", 0) / 1e6 for b in both], device_MB=[b.get("device", 0) / 1e6 for b in both])
+      host_MB=[b.get("host", 0) / 1e6 for b in both], device_MB=[b.get("device", 0) / 1e6 for b in both],
+      persistent_MB=persistent / 1e6)
 if NVME_OK:
     states = [offload.where(RUNS["DeepSpeed NVMe"], "optimizer_states", r) for r in R]
     claim("with NVMe the fp32 master is on disk and Adam's states too (all but the step counters)",
@@ -294,10 +303,11 @@ else:
 # the device peak is what offload lowers; on this machine host and device are one memory,
 # so offload has nowhere to move the bytes. Nor could these peaks show it: each run's whole
 # state is a small part of its peak (the check below), and peaks move between identical jobs
-# (notebook 08), so the peaks are shown without a claim about the state offload moves. What
-# they do show is that the NVMe run saved no RAM: its peak is above DeepSpeed's without
-# offload (the check below; next to it, the bytes of the parameter swap buffers its config
-# asks for, `buffer_count` x `buffer_size` bf16 elements per rank):
+# (notebook 08), so the peaks are shown without a claim about them. Bytes do show that the
+# NVMe run cannot have saved RAM here: when `offload_param` goes to `nvme`, DeepSpeed's
+# parameter swapper allocates `buffer_count` x `buffer_size` bf16 elements of page-locked
+# host memory per rank as it starts (whether or not any parameter is swapped), and that is
+# more than the bytes this run moved to disk (the check below):
 
 # %%
 totals = offload.location_totals(RUNS)
@@ -313,10 +323,12 @@ else:
           state_over_peak={label: round(x, 4) for label, x in share.items()})
 if NVME_OK:
     swap = NVME_JSON["zero_optimization"]["offload_param"]
-    claim("the NVMe run's peak is above DeepSpeed's without offload: moving states to disk saved no RAM here",
-          peak["DeepSpeed NVMe"] > peak["DeepSpeed, no offload"], nvme_MB=peak["DeepSpeed NVMe"] / 1e6,
-          no_offload_MB=peak["DeepSpeed, no offload"] / 1e6,
-          param_swap_buffers_MB=swap["buffer_count"] * swap["buffer_size"] * 2 / 1e6)
+    buffers = swap["buffer_count"] * swap["buffer_size"] * 2
+    on_disk = [sum(offload.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
+    claim("on every rank the NVMe run's parameter swap buffers (host RAM) are larger than the state it moved to "
+          "disk: here NVMe cannot have saved RAM", all(d < buffers for d in on_disk),
+          param_swap_buffers_MB=buffers / 1e6, on_disk_MB=[d / 1e6 for d in on_disk],
+          peak_MB={"NVMe": peak["DeepSpeed NVMe"] / 1e6, "no offload": peak["DeepSpeed, no offload"] / 1e6})
 
 # %% [markdown]
 # ## 3 · What the copies cost

@@ -215,8 +215,11 @@ class Memory(Observer):
     def on_step_end(self, s, step, row):
         self.peak.sample()
         if step == s.probe_step:
+            from .offload import swap_buffer_bytes
+
             self.keys.update(memory_summary(s.job, self.probe, self.peak, s.summary["num_params"],
                                             s.job.train.micro_batch))
+            self.keys["swap_buffer_bytes"] = gather(swap_buffer_bytes(s.engine))
 
     def on_train_end(self, s):
         self.keys["peak_memory_bytes"] = gather(self.peak.peak)

@@ -67,6 +67,7 @@ def test_every_run_reports_each_category_by_location(offload_runs):
             assert offload.totals(locs) == s["memory_bytes"][rank], name
             if "nvme" not in name:
                 assert sum(v["disk"] for v in locs.values()) == 0, name
+                assert s["swap_buffer_bytes"][rank] == 0, name  # no NVMe swapper, no swap buffers
 
 
 def test_fsdp_offload_moves_everything_together(offload_runs):
@@ -115,6 +116,13 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
         # tiny's parameter partitions are all under 1 MiB (the aio block): DeepSpeed keeps them in memory
         assert "disk" not in places(nvme, "params", rank)
     cfg = json.loads((nvme["out"] / "config.json").read_text())
+    # the param swapper's page-locked buffers (buffer_count x buffer_size bf16 elements, each rounded up to
+    # the I/O alignment) plus the optimizer swapper's: allocated whether or not a param is swapped
+    param_swap = cfg["deepspeed"]["json"]["zero_optimization"]["offload_param"]
+    for rank in range(2):
+        held = nvme["swap_buffer_bytes"][rank]
+        assert param_swap["buffer_count"] * param_swap["buffer_size"] * 2 < held, (held, param_swap)
+        assert held < 2 * param_swap["buffer_count"] * param_swap["buffer_size"] * 2 + 2**26, held
     paths = {cfg["deepspeed"]["json"]["zero_optimization"][k]["nvme_path"]
              for k in ("offload_param", "offload_optimizer")}
     assert paths == {str((nvme["out"] / "nvme_swap").resolve())}  # relative path: inside the run

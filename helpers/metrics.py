@@ -91,8 +91,8 @@ SUMMARY_KEYS = {
                              "memory the backend offloaded to, disk = this rank's NVMe swap files "
                              "(helpers.offload)",
     "swap_buffer_bytes": "per rank (list): bytes of the page-locked host buffers DeepSpeed's NVMe swappers "
-                         "hold (parameter and optimizer swap buffers; 0 without NVMe): RAM the swapped "
-                         "state passes through, not in memory_bytes (helpers.offload.swap_buffer_bytes)",
+                         "hold, {params, optimizer} (0 without NVMe): RAM the swapped state passes "
+                         "through, not in memory_bytes (helpers.offload.swap_buffer_bytes)",
     "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.mapping)",
     "peak_memory_bytes": "per rank (list): peak memory of training, after set-up (see peak_memory_source)",
     "setup_peak_memory_bytes": "per rank (list): peak memory of the set-up (build, load, shard); on CPU the "

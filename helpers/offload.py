@@ -164,18 +164,18 @@ def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | No
     return out
 
 
-def swap_buffer_bytes(engine) -> int:
-    """Bytes of the page-locked host buffers DeepSpeed's NVMe swappers hold on this rank (0 without
-    NVMe): the parameter swapper's (``offload_param``: ``buffer_count`` x ``buffer_size``, allocated when
-    ZeRO-3 starts, whether or not a parameter is swapped) and the optimizer swapper's. Not state: the
-    I/O buffers the swapped state passes through, in RAM next to it."""
+def swap_buffer_bytes(engine) -> dict[str, int]:
+    """Bytes of the page-locked host buffers DeepSpeed's NVMe swappers hold on this rank, {params, optimizer}
+    (0 without NVMe): the parameter swapper's (``offload_param``: ``buffer_count`` x ``buffer_size``,
+    allocated when ZeRO-3 starts, whether or not a parameter is swapped) and the optimizer swapper's.
+    Not state: the I/O buffers the swapped state passes through, in RAM next to it."""
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     if engine.backend != "deepspeed":
-        return 0
+        return {"params": 0, "optimizer": 0}
     swappers = {id(s): s for p in engine.module.parameters() if (s := getattr(p, "nvme_swapper", None)) is not None}
-    buffers = [s.buffers for s in swappers.values()]
     manager = getattr(getattr(engine.engine.optimizer, "optimizer_swapper", None), "swap_buffer_manager", None)
-    buffers += getattr(manager, "all_buffers", [])
-    return sum(b.numel() * b.element_size() for b in buffers)
+    return {"params": nbytes(s.buffers for s in swappers.values()),
+            "optimizer": nbytes(getattr(manager, "all_buffers", []))}
 
 
 def totals(locations: dict) -> dict[str, int]:

@@ -74,7 +74,7 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # optimizer's fp32 partition (one flat buffer per kind of state per rank) is over it on this
 # notebook's ranks. With
 # `ARGS = "--model small ..."` the decoder-layer matrices are over the threshold, so only
-# their partitions are kept, and on 2 to 7 ranks (this notebook runs 2) the partitions of the
+# their partitions are kept, and on 2 to 7 ranks (this notebook runs 2 but on one GPU) the partitions of the
 # embedding and the output layer, and only theirs, are large enough to be swapped; on 8 or
 # more, none is (on one rank a partition is the whole tensor, and the larger decoder-layer
 # matrices reach it too). The two limits, and both models' sizes
@@ -317,8 +317,8 @@ else:
 # NVMe run cannot have saved RAM here: when `offload_param` goes to `nvme`, DeepSpeed's
 # parameter swapper allocates `buffer_count` x `buffer_size` bf16 elements of page-locked
 # host memory per rank as it starts (whether or not any parameter is swapped), plus its
-# optimizer swapper's buffers; the job measures these buffers (`swap_buffer_bytes`), and they are
-# more than the bytes this run moved to disk (the check below):
+# optimizer swapper's buffers; the job measures both (`swap_buffer_bytes`), and the parameter
+# swapper's alone are more than the bytes this run moved to disk (the check below):
 
 # %%
 totals = offload.location_totals(RUNS)
@@ -334,14 +334,14 @@ else:
           state_over_peak={label: round(x, 4) for label, x in share.items()})
 if NVME_OK:
     swap = NVME_JSON["zero_optimization"]["offload_param"]
-    buffers = RUNS["DeepSpeed NVMe"].summary["swap_buffer_bytes"]
+    asked = swap["buffer_count"] * swap["buffer_size"] * 2
+    buffers = RUNS["DeepSpeed NVMe"].summary["swap_buffer_bytes"]  # per rank: {params, optimizer}
     on_disk = [sum(offload.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
-    claim("on every rank the NVMe run's swap buffers in host RAM (measured) hold at least the parameter swapper's "
-          "buffer_count x buffer_size bf16 elements, and more bytes than the state it moved to disk: here NVMe "
-          "cannot have saved RAM", all(b >= swap["buffer_count"] * swap["buffer_size"] * 2 and d < b
-                                       for b, d in zip(buffers, on_disk)),
-          swap_buffers_MB=[b / 1e6 for b in buffers], param_buffers_asked_MB=swap["buffer_count"] * swap["buffer_size"]
-          * 2 / 1e6, on_disk_MB=[d / 1e6 for d in on_disk],
+    claim("on every rank the NVMe run's parameter swapper holds its buffer_count x buffer_size bf16 elements in "
+          "host RAM (measured), and its buffers alone are more bytes than the state the run moved to disk: here "
+          "NVMe cannot have saved RAM", all(asked <= b["params"] and d < b["params"] for b, d in zip(buffers, on_disk)),
+          param_buffers_MB=[b["params"] / 1e6 for b in buffers], asked_MB=asked / 1e6,
+          optimizer_buffers_MB=[b["optimizer"] / 1e6 for b in buffers], on_disk_MB=[d / 1e6 for d in on_disk],
           peak_MB={"NVMe": peak["DeepSpeed NVMe"] / 1e6, "no offload": peak["DeepSpeed, no offload"] / 1e6})
 
 # %% [markdown]
@@ -349,8 +349,8 @@ if NVME_OK:
 #
 # Step time of each run against the same backend without offload: the median of the steps
 # after the warm-up steps the jobs' own medians leave out, and their quartiles. Each config
-# runs once, one after the other, on a shared 2-core machine, so a ratio here mixes what the
-# offload path costs with the machine's drift between two runs: this section shows the ratios
+# runs once, one after the other (on this guide's test box, a shared 2-core machine), so a
+# ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
 # and claims no cost (notebook 08 interleaves repeated runs where it claims one).
 
 # %%
@@ -379,11 +379,12 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # make a step slower or faster than the no-offload path here; one run each cannot tell which,
 # and we have not broken the steps down. NVMe adds reads and writes of the swap
 # files, which the page cache may absorb. On a GPU the picture changes: every step, offloaded
-# parameters cross PCIe to the GPU (for forward, and again for backward), gradients go down to
-# the host optimizer and updated weights come back up (the optimizer's states and fp32 master
-# stay on the host: that is what offloading them saves), and a host optimizer step is slower
-# than a GPU one. That time is the price of the accelerator
-# memory offload frees; measure it there with the same cells.
+# parameters are copied across PCIe to the GPU to compute with (FSDP, which reshards after
+# forward, copies them again for backward), gradients go down to the host optimizer and updated
+# weights come back up (the optimizer's states and fp32 master stay on the host: that is what
+# offloading them saves), and the optimizer step runs on the host's cores instead of the GPU.
+# That time is the price of the accelerator memory offload frees; measure it there with the
+# same cells, repeated and interleaved.
 #
 # ## 4 · The losses
 
@@ -409,12 +410,12 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (notebook 00
           lo[9] > lo[8] + 0.3 and all(b < a for a, b in zip(lo[:9], lo[1:9])), step0=lo[0], step8=lo[8], step9=lo[9])
 
 # %% [markdown]
-# Offload changes where the arithmetic happens and where the bytes wait, not the arithmetic.
-# At full size the final loss is step 9's, a bump after the loss fell at every step before it (the check above;
-# notebook 00 trains on the same data at the same rate and explains it), not a sign that
-# training stalled.
-# (On a GPU, a host-side optimizer step can round differently from the
-# GPU's kernels; there the check compares every step's loss within 1% instead of bit for bit.)
+# On this CPU, offload changed where the arithmetic happens and where the bytes wait, not the
+# arithmetic: the losses are the same bit for bit. (On a GPU, a host-side optimizer step can
+# round differently from the GPU's kernels; there the check compares every step's loss within
+# 1% instead.) At full size on 2 ranks the final loss is step 9's, a bump after the loss fell
+# at every step before it (the check above, which runs there; notebook 00 trains on the same
+# data at the same rate and explains it), not a sign that training stalled.
 #
 # ## Recap
 #
@@ -437,7 +438,8 @@ if not NVME_OK:
 # * DeepSpeed's CPU optimizer offload adds an fp32 gradient copy on the host; ZeRO-3 keeps its
 #   small persistent params next to the compute; only tensors of at least 1 MiB per rank
 #   go to disk.
-# * Losses do not change with offload. On this CPU-only machine no accelerator memory is
+# * On this CPU the losses do not change with offload, bit for bit (on a GPU the host-side
+#   step may round differently: checked within 1% there). On this CPU-only machine no accelerator memory is
 #   saved - there is none: device and host are one RAM, and only NVMe's swap files leave it -
 #   and its single runs claim no step-time cost; on a GPU the "device" column is what offload
 #   frees, paid for in PCIe traffic and a host-side optimizer step (measure it there with

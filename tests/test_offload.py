@@ -67,7 +67,7 @@ def test_every_run_reports_each_category_by_location(offload_runs):
             assert offload.totals(locs) == s["memory_bytes"][rank], name
             if "nvme" not in name:
                 assert sum(v["disk"] for v in locs.values()) == 0, name
-                assert s["swap_buffer_bytes"][rank] == 0, name  # no NVMe swapper, no swap buffers
+                assert s["swap_buffer_bytes"][rank] == {"params": 0, "optimizer": 0}, name  # no NVMe swapper
 
 
 def test_fsdp_offload_moves_everything_together(offload_runs):
@@ -119,10 +119,11 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
     # the param swapper's page-locked buffers (buffer_count x buffer_size bf16 elements, each rounded up to
     # the I/O alignment) plus the optimizer swapper's: allocated whether or not a param is swapped
     param_swap = cfg["deepspeed"]["json"]["zero_optimization"]["offload_param"]
+    asked = param_swap["buffer_count"] * param_swap["buffer_size"] * 2
     for rank in range(2):
         held = nvme["swap_buffer_bytes"][rank]
-        assert param_swap["buffer_count"] * param_swap["buffer_size"] * 2 < held, (held, param_swap)
-        assert held < 2 * param_swap["buffer_count"] * param_swap["buffer_size"] * 2 + 2**26, held
+        assert asked <= held["params"] < asked + param_swap["buffer_count"] * 2**20, (held, param_swap)
+        assert held["optimizer"] > 0, held
     paths = {cfg["deepspeed"]["json"]["zero_optimization"][k]["nvme_path"]
              for k in ("offload_param", "offload_optimizer")}
     assert paths == {str((nvme["out"] / "nvme_swap").resolve())}  # relative path: inside the run

@@ -107,21 +107,25 @@ for name in ("tiny", "small"):
     SHAPES[name] = dict(params=sum(numel.values()), layer_max=max(layers.values()), layer_matrix_min=min(matrices),
                         partition_max_bytes=max(numel.values()) * 2 // NPROC,
                         swappable=sorted(n for n, v in numel.items() if v * 2 // NPROC >= NVME_MIN),
+                        over_threshold=sorted(n for n, v in numel.items() if v > THRESHOLD),  # the rest stay whole
                         persistent_bytes=sum(2 * v for v in numel.values() if v <= THRESHOLD),  # kept whole, bf16
                         fp32_partition_bytes=4 * -(-sum(numel.values()) // NPROC))  # the optimizer's flat partition
     print(f"{name:6s} {SHAPES[name]['params'] / 1e6:5.2f}M params; decoder-layer weights {min(layers.values()):,} to "
-          f"{SHAPES[name]['layer_max']:,} elements; largest bf16 partition "
+          f"{SHAPES[name]['layer_max']:,} elements; over the threshold: "
+          f"{', '.join(over) if len(over := SHAPES[name]['over_threshold']) <= 3 else f'{len(over)} parameters'}; "
+          f"largest bf16 partition "
           f"{SHAPES[name]['partition_max_bytes'] / 2**20:.2f} MiB per rank; partitions at or over the NVMe minimum: "
           f"{', '.join(SHAPES[name]['swappable']) or 'none'}; fp32 optimizer partition "
           f"{SHAPES[name]['fp32_partition_bytes'] / 2**20:.2f} MiB per rank")
 tiny, small = SHAPES["tiny"], SHAPES["small"]
-claim("tiny: every decoder-layer weight is under the threshold, and every parameter partition under the NVMe minimum",
-      tiny["layer_max"] < THRESHOLD and not tiny["swappable"])
+EMBED_AND_HEAD = ["lm_head.weight", "model.embed_tokens.weight"]
+claim("tiny: only the embedding and the output layer are over the threshold (every decoder-layer weight and the "
+      "final norm are kept whole), and every parameter partition is under the NVMe minimum",
+      tiny["over_threshold"] == EMBED_AND_HEAD and not tiny["swappable"], over_threshold=tiny["over_threshold"])
 claim(f"tiny on {NPROC} ranks: the optimizer's fp32 partition (master, and each of Adam's states) reaches the NVMe "
       "minimum, so NVMe swaps it", tiny["fp32_partition_bytes"] >= NVME_MIN,
       partition_MiB=tiny["fp32_partition_bytes"] / 2**20)
 claim("small: every decoder-layer matrix is over the threshold", small["layer_matrix_min"] > THRESHOLD)
-EMBED_AND_HEAD = ["lm_head.weight", "model.embed_tokens.weight"]
 if 2 <= NPROC < 8:
     claim(f"small on {NPROC} ranks: the embedding's and the output layer's partitions reach the NVMe minimum, "
           "and no other's", small["swappable"] == EMBED_AND_HEAD, swappable=small["swappable"])
@@ -220,9 +224,10 @@ axes[0].figure.tight_layout()
 # * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,
 #   Adam's states and the reduced gradient partitions go to the host, while the bf16
 #   parameter partitions stay next to the compute. Offloading to the CPU, DeepSpeed also
-#   keeps an fp32 copy of the gradient partition on the host for its host-side step, so the
-#   "grads" bar grows by one fp32 copy of the partition (the check below): offload moves bytes
-#   *and* adds some. (The NVMe run's fp32 master is in a swap file, and the buffers its
+#   keeps an fp32 copy of the gradient partition on the host between steps, for its host-side
+#   step, so after backward the "grads" bar is one fp32 copy of the partition taller (the check
+#   below; without offload ZeRO-3 makes that copy only during the step and frees it after):
+#   offload moves bytes *and* keeps more of them alive. (The NVMe run's fp32 master is in a swap file, and the buffers its
 #   optimizer steps through are not in these counts: its "grads" show the bf16 partition only.)
 # * **Params + optimizer** moves the bf16 parameter partitions to the host too. The
 #   "persistent" small parameters that ZeRO-3 keeps whole stay next to the compute - in
@@ -258,8 +263,8 @@ claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the
 host_grads = [offload.where(RUNS["DeepSpeed optimizer"], "grads", r)["host"] for r in R]
 dev_grads = [sum(offload.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
 fp32_master = [RUNS["DeepSpeed, no offload"].summary["memory_bytes"][r]["master_params"] for r in R]
-claim("with offload_optimizer DeepSpeed holds one more fp32 copy of the gradient partition (for the host-side "
-      "step): its extra gradient bytes equal the fp32 master's", all(h - d == m for h, d, m in
+claim("after backward, with offload_optimizer DeepSpeed already holds one more fp32 copy of the gradient partition "
+      "(for the host-side step): its extra gradient bytes equal the fp32 master's", all(h - d == m for h, d, m in
                                                                      zip(host_grads, dev_grads, fp32_master)),
       host_MB=[h / 1e6 for h in host_grads], no_offload_MB=[d / 1e6 for d in dev_grads],
       fp32_master_MB=[m / 1e6 for m in fp32_master])
@@ -375,10 +380,9 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # **What it means.** The lines above are what these single runs measured. Without an accelerator, "copying to
 # the host" is a copy within the same RAM and the optimizer runs on the same cores either way,
 # so there is no transfer to pay for. What differs is the code each offload path runs (its own
-# buffers and copies, DeepSpeed's host-side optimizer step on flat fp32 partitions), which could
-# make a step slower or faster than the no-offload path here; one run each cannot tell which,
-# and we have not broken the steps down. NVMe adds reads and writes of the swap
-# files, which the page cache may absorb. On a GPU the picture changes: every step, offloaded
+# buffers and copies), which could make a step slower or faster than the no-offload path here;
+# one run each cannot tell which, and we have not broken the steps down. NVMe adds reads and
+# writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past the page cache. On a GPU the picture changes: every step, offloaded
 # parameters are copied across PCIe to the GPU to compute with (FSDP, which reshards after
 # forward, copies them again for backward), gradients go down to the host optimizer and updated
 # weights come back up (the optimizer's states and fp32 master stay on the host: that is what
@@ -410,8 +414,8 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (notebook 00
           lo[9] > lo[8] + 0.3 and all(b < a for a, b in zip(lo[:9], lo[1:9])), step0=lo[0], step8=lo[8], step9=lo[9])
 
 # %% [markdown]
-# On this CPU, offload changed where the arithmetic happens and where the bytes wait, not the
-# arithmetic: the losses are the same bit for bit. (On a GPU, a host-side optimizer step can
+# On this CPU, offload changed the backends' bookkeeping and copies (and, with NVMe, where the
+# optimizer's bytes wait: on disk), not the arithmetic: the losses are the same bit for bit. (On a GPU, a host-side optimizer step can
 # round differently from the GPU's kernels; there the check compares every step's loss within
 # 1% instead.) At full size on 2 ranks the final loss is step 9's, a bump after the loss fell
 # at every step before it (the check above, which runs there; notebook 00 trains on the same
@@ -435,7 +439,7 @@ if not NVME_OK:
 # * FSDP has one offload switch, and it moves parameters, gradients and optimizer states
 #   together; DeepSpeed offloads the optimizer alone (the bf16 params stay), the params
 #   too, and either to NVMe, where the master weights and Adam's states become swap files.
-# * DeepSpeed's CPU optimizer offload adds an fp32 gradient copy on the host; ZeRO-3 keeps its
+# * DeepSpeed's CPU optimizer offload keeps an fp32 gradient copy on the host between steps; ZeRO-3 keeps its
 #   small persistent params next to the compute; only tensors of at least 1 MiB per rank
 #   go to disk.
 # * On this CPU the losses do not change with offload, bit for bit (on a GPU the host-side

@@ -119,14 +119,18 @@ def _ds_offloaded(engine) -> tuple[set[int], set[int]]:
 
 
 def _ds_fp32_grads(engine) -> list:
-    """The fp32 gradient partitions an offloaded DeepSpeed optimizer keeps next to its master (a
-    separate buffer on the host, alive between steps; without offload they exist only during step)."""
+    """The fp32 gradient partitions DeepSpeed holds next to its master when read (after backward).
+    An offloaded optimizer keeps them in a separate host buffer, alive between steps; without offload
+    the masters carry no gradient then (ZeRO makes it during the step and frees it: read, not assumed).
+    With the optimizer on NVMe the same fp32 copy is made at the end of backward, piece by piece: the
+    pieces of at least the swap minimum go to gradient swap files (counted from the files), the
+    others wait in host memory for the step (``unswapped_gradients``), counted here."""
     zopt = engine.engine.optimizer
-    if not (getattr(zopt, "offload_optimizer", False) or getattr(zopt, "cpu_offload", False)):
-        return []
     masters = getattr(zopt, "fp32_partitioned_groups_flat", None) or getattr(
         zopt, "single_partition_of_fp32_groups", [])
-    return [m.grad for m in masters if m.grad is not None]
+    grads = [m.grad for m in masters if m.grad is not None]
+    swap_info = getattr(getattr(zopt, "optimizer_swapper", None), "swap_params_info", {})
+    return grads + [t for info in swap_info.values() for t in info.unswapped_gradients.values()]
 
 
 def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | None = None) -> dict:

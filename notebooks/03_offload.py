@@ -227,8 +227,10 @@ axes[0].figure.tight_layout()
 #   keeps an fp32 copy of the gradient partition on the host between steps, for its host-side
 #   step, so after backward the "grads" bar is one fp32 copy of the partition taller (the check
 #   below; without offload ZeRO-3 makes that copy only during the step and frees it after):
-#   offload moves bytes *and* keeps more of them alive. (The NVMe run's fp32 master is in a swap file, and the buffers its
-#   optimizer steps through are not in these counts: its "grads" show the bf16 partition only.)
+#   offload moves bytes *and* keeps more of them alive. The NVMe run makes the same fp32
+#   gradient copy at the end of backward: pieces of at least 1 MiB would go to swap files, the
+#   others wait in host memory for the step (here all of them: the same check). The swap
+#   buffers its optimizer steps through are not in these counts (section 2 measures them).
 # * **Params + optimizer** moves the bf16 parameter partitions to the host too. The
 #   "persistent" small parameters that ZeRO-3 keeps whole stay next to the compute - in
 #   this tiny model that is every decoder-layer weight and the final norm, whose bytes "device"
@@ -260,13 +262,16 @@ claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the
       all(places("DeepSpeed optimizer", "params", r) == {"device"} for r in R)
       and all(places("DeepSpeed optimizer", c, r) == {"host"}
               for c in ("optimizer_states", "master_params", "grads") for r in R))
-host_grads = [offload.where(RUNS["DeepSpeed optimizer"], "grads", r)["host"] for r in R]
+OPT_OFFLOADED = ["DeepSpeed optimizer"] + (["DeepSpeed NVMe"] if NVME_OK else [])
+host_grads = {label: [offload.where(RUNS[label], "grads", r)["host"] for r in R] for label in OPT_OFFLOADED}
 dev_grads = [sum(offload.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
 fp32_master = [RUNS["DeepSpeed, no offload"].summary["memory_bytes"][r]["master_params"] for r in R]
-claim("after backward, with offload_optimizer DeepSpeed already holds one more fp32 copy of the gradient partition "
-      "(for the host-side step): its extra gradient bytes equal the fp32 master's", all(h - d == m for h, d, m in
-                                                                     zip(host_grads, dev_grads, fp32_master)),
-      host_MB=[h / 1e6 for h in host_grads], no_offload_MB=[d / 1e6 for d in dev_grads],
+claim("after backward, DeepSpeed without offload holds the bf16 gradient partition only (half the fp32 master's "
+      "bytes: its fp32 copy is made during the step); with the optimizer offloaded (" + ", ".join(OPT_OFFLOADED)
+      + ") it already holds one more fp32 copy, for the host-side step: the extra bytes equal the fp32 master's",
+      all(2 * d == m for d, m in zip(dev_grads, fp32_master))
+      and all(h - d == m for hs in host_grads.values() for h, d, m in zip(hs, dev_grads, fp32_master)),
+      host_MB={k: [h / 1e6 for h in v] for k, v in host_grads.items()}, no_offload_MB=[d / 1e6 for d in dev_grads],
       fp32_master_MB=[m / 1e6 for m in fp32_master])
 both = [offload.where(RUNS["DeepSpeed params + optimizer"], "params", r) for r in R]
 alone = [offload.where(RUNS["DeepSpeed optimizer"], "params", r) for r in R]

@@ -115,6 +115,10 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
             assert nvme["memory_bytes"][rank][cat] < plain["memory_bytes"][rank][cat] + 2**20
         # tiny's parameter partitions are all under 1 MiB (the aio block): DeepSpeed keeps them in memory
         assert "disk" not in places(nvme, "params", rank)
+        # the fp32 gradient copy made at the end of backward: tiny's pieces are all under 1 MiB too, so they
+        # wait in host memory for the step, as many bytes as the CPU-offloaded optimizer's gradient buffer
+        opt = offload_runs["zero3_offload_optimizer"]
+        assert nvme["memory_location_bytes"][rank]["grads"] == opt["memory_location_bytes"][rank]["grads"]
     cfg = json.loads((nvme["out"] / "config.json").read_text())
     # the param swapper's page-locked buffers (buffer_count x buffer_size bf16 elements, each rounded up to
     # the I/O alignment) plus the optimizer swapper's: allocated whether or not a param is swapped

@@ -224,9 +224,10 @@ axes[0].figure.tight_layout()
 # * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,
 #   Adam's states and the reduced gradient partitions go to the host, while the bf16
 #   parameter partitions stay next to the compute. Offloading to the CPU, DeepSpeed also
-#   keeps an fp32 copy of the gradient partition on the host between steps, for its host-side
-#   step, so after backward the "grads" bar is one fp32 copy of the partition taller (the check
-#   below; without offload ZeRO-3 makes that copy only during the step and frees it after):
+#   keeps an fp32 copy of the gradient partition on the host for its host-side step (a buffer
+#   of its own, which by DeepSpeed's source lives between steps), so after backward the "grads"
+#   bar is one fp32 copy of the partition taller (the check below, read after backward; without
+#   offload ZeRO-3 holds no such copy then: it makes one during the step and frees it after):
 #   offload moves bytes *and* keeps more of them alive. The NVMe run makes the same fp32
 #   gradient copy at the end of backward: pieces of at least 1 MiB would go to swap files, the
 #   others wait in host memory for the step (here all of them: the same check). The swap
@@ -347,9 +348,9 @@ if NVME_OK:
     asked = swap["buffer_count"] * swap["buffer_size"] * 2
     buffers = RUNS["DeepSpeed NVMe"].summary["swap_buffer_bytes"]  # per rank: {params, optimizer}
     on_disk = [sum(offload.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
-    claim("on every rank the NVMe run's parameter swapper holds its buffer_count x buffer_size bf16 elements in "
-          "host RAM (measured), and its buffers alone are more bytes than the state the run moved to disk: here "
-          "NVMe cannot have saved RAM", all(asked <= b["params"] and d < b["params"] for b, d in zip(buffers, on_disk)),
+    claim("on every rank the NVMe run's parameter swapper holds page-locked buffers of at least buffer_count x "
+          "buffer_size bf16 elements (their size read by the job), more bytes than the state the run moved to disk: "
+          "here NVMe cannot have saved RAM", all(asked <= b["params"] and d < b["params"] for b, d in zip(buffers, on_disk)),
           param_buffers_MB=[b["params"] / 1e6 for b in buffers], asked_MB=asked / 1e6,
           optimizer_buffers_MB=[b["optimizer"] / 1e6 for b in buffers], on_disk_MB=[d / 1e6 for d in on_disk],
           peak_MB={"NVMe": peak["DeepSpeed NVMe"] / 1e6, "no offload": peak["DeepSpeed, no offload"] / 1e6})
@@ -411,8 +412,9 @@ if GPUS:  # a host-side optimizer step can round unlike the GPU's kernels (not y
 else:
     claim("every offload setting trains bit-identically to the same backend without offload", all(same.values()),
           identical=same)
-claim("the FSDP runs train bit-identically to the DeepSpeed runs (the aligned pair of notebook 02)",
-      losses["FSDP, no offload"] == losses["DeepSpeed, no offload"])
+if nb.bitwise_parity_expected(NPROC):  # CPU, or up to 2 GPUs: see nb.bitwise_parity_expected
+    claim("FSDP without offload trains bit-identically to DeepSpeed without offload (the aligned pair of notebook 02)",
+          losses["FSDP, no offload"] == losses["DeepSpeed, no offload"])
 if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (notebook 00 explains it)
     lo = losses["FSDP, no offload"]
     claim("the last loss is a bump at step 9 after the loss had fallen at every step before it, not a stall",

@@ -71,12 +71,18 @@ def swap_dirs(ds_json: dict) -> list[Path]:
     return out
 
 
-def swap_file_bytes(ds_json: dict, rank: int) -> dict[str, int]:
-    """Bytes per category in this rank's swap files on disk."""
+def swap_file_bytes(ds_json: dict, rank: int, params_on_disk: set[int] | None = None) -> dict[str, int]:
+    """Bytes per category in this rank's swap files on disk. With ``params_on_disk`` (the ``ds_id`` of
+    every parameter whose partition lives on NVMe), a parameter's file counts only if it is one of them:
+    ZeRO-3 swaps partitions out as it builds the model, then reads them back into a host buffer for good
+    while ``offload_param.max_in_cpu`` allows (1e9 elements by default), and leaves the file behind."""
     out = dict.fromkeys(CATEGORIES, 0)
     for base in swap_dirs(ds_json):
         for f in (base / "zero_stage_3").glob(f"*/rank{rank}/*.swp"):
-            out[_swap_category(f)] += f.stat().st_size
+            cat = _swap_category(f)
+            if cat == "params" and params_on_disk is not None and int(f.name.split("_")[0]) not in params_on_disk:
+                continue
+            out[cat] += f.stat().st_size
     return out
 
 
@@ -163,7 +169,11 @@ def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | No
                 where = "device"
             out[cat][where] += storage.nbytes()
     if engine.backend == "deepspeed" and ds_json:
-        for cat, n in swap_file_bytes(ds_json, rank).items():
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+        nvme = {p.ds_id for p in engine.module.parameters()
+                if getattr(getattr(p, "ds_tensor", None), "final_location", None) == OffloadDeviceEnum.nvme}
+        for cat, n in swap_file_bytes(ds_json, rank, params_on_disk=nvme).items():
             out[cat]["disk"] += n
     return out
 

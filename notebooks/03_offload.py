@@ -77,7 +77,11 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # their partitions are kept, and on 2 to 7 ranks (this notebook runs 2 but on one GPU) the partitions of the
 # embedding and the output layer, and only theirs, are large enough to be swapped; on 8 or
 # more, none is (on one rank a partition is the whole tensor, and the larger decoder-layer
-# matrices reach it too). The two limits, and both models' sizes
+# matrices reach it too). Large enough, but not left on disk: ZeRO-3 swaps them out as it
+# builds the model, then reads them back into a host buffer for good, because
+# `offload_param.max_in_cpu` (1e9 elements by default; our config leaves it) lets every
+# partition of a model this size live in host memory. To keep parameters on NVMe, set it
+# below the partitions' total. The two limits, and both models' sizes
 # next to them (bf16 partitions of 1/`NPROC`, built on the meta device: no weights):
 
 # %%
@@ -237,8 +241,9 @@ axes[0].figure.tight_layout()
 #   this tiny model that is every decoder-layer weight and the final norm, whose bytes "device"
 #   keeps (the check below prints both parts).
 # * **NVMe**: the fp32 master and Adam's states are swap files on disk (one flat buffer per
-#   kind of state per rank, each over 1 MiB: the swap-file count is printed below). The parameter partitions are each under 1 MiB, so DeepSpeed
-#   keeps them in host memory instead of swapping them.
+#   kind of state per rank, each over 1 MiB: the swap-file count is printed below). The
+#   parameter partitions stay in host memory: each is under 1 MiB here, and with `max_in_cpu`
+#   at its default ZeRO-3 would keep larger ones there too (above).
 #
 # On this machine the checks below read each backend's own bookkeeping (what it was told to
 # offload, as it recorded it): they catch a config key that did not take effect, not bytes crossing a
@@ -290,9 +295,13 @@ if NVME_OK:
           and all(st["disk"] > 1000 * st.get("host", 0) for st in states),
           disk_MB=[st["disk"] / 1e6 for st in states], host_bytes=[st.get("host", 0) for st in states])
     if RUNS["DeepSpeed NVMe"].summary["model"] == "tiny":
-        claim("no param partition of the tiny model reaches the NVMe minimum, so none is swapped to disk: "
+        claim("no param partition of the tiny model reaches the NVMe minimum, and none is on disk: "
               "the partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
                                                        and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
+    else:  # e.g. small: partitions over the minimum are swapped out at the build, then read back (max_in_cpu)
+        claim("no param partition is on disk after the build (offload_param.max_in_cpu at its default): the "
+              "partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
+                                                   and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
 
 # %% [markdown]
 # The disk bytes are the swap files themselves, each rank's own (`helpers.offload`
@@ -324,7 +333,8 @@ else:
 # the device peak is what offload lowers; on this machine host and device are one memory,
 # so offload has nowhere to move the bytes. Nor could these peaks show it: each run's whole
 # state is a small part of its peak (the check below), and peaks move between identical jobs
-# (notebook 08), so the peaks are shown without a claim about them. Bytes do show that the
+# (notebook 08), so on this CPU the peaks are shown without a claim about them (on a GPU, where
+# the allocator's peak is exact, the cell checks that FSDP offload lowers it). Bytes do show that the
 # NVMe run cannot have saved RAM here: when `offload_param` goes to `nvme`, DeepSpeed's
 # parameter swapper allocates `buffer_count` x `buffer_size` bf16 elements of page-locked
 # host memory per rank as it starts (whether or not any parameter is swapped), plus its

@@ -191,3 +191,17 @@ def test_offload_configs_parse():
             want = {"zero3": ("none", "none"), "zero3_offload_optimizer": ("cpu", "none"),
                     "zero3_offload": ("cpu", "cpu"), "zero3_nvme": ("nvme", "nvme")}[name]
             assert (ds.offload_optimizer_device, ds.offload_param_device) == want
+
+
+def test_a_param_swap_file_counts_only_while_its_partition_is_on_disk(tmp_path):
+    # ZeRO-3 swaps big partitions out while building the model, then (offload_param.max_in_cpu allowing)
+    # reads them back into a host buffer for good and leaves the file: such a file is not state on disk
+    cfg = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    folder = tmp_path / "zero_stage_3" / "bfloat16params" / "rank0"
+    folder.mkdir(parents=True)
+    (folder / "7_param.tensor.swp").write_bytes(b"x" * 4096)
+    (folder / "9_param.tensor.swp").write_bytes(b"x" * 1024)
+    assert offload.swap_file_bytes(cfg, 0)["params"] == 5120  # every file, when nothing says which are live
+    assert offload.swap_file_bytes(cfg, 0, params_on_disk={9})["params"] == 1024
+    assert offload.swap_file_bytes(cfg, 0, params_on_disk=set())["params"] == 0
+    assert offload.swap_file_bytes(cfg, 1, params_on_disk={7, 9})["params"] == 0  # another rank's files

@@ -102,8 +102,9 @@ def _fsdp_offloaded(engine) -> set[int]:
     return offloaded
 
 
-def _ds_offloaded(engine) -> tuple[set[int], set[int]]:
-    """(storages DeepSpeed put in host memory, storages of params whose partition is on NVMe)."""
+def _ds_offloaded(engine) -> tuple[set[int], set[int], set[int]]:
+    """(storages DeepSpeed put in host memory, storages of params whose partition is on NVMe, those
+    params' ds_id)."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     zopt = engine.engine.optimizer
@@ -111,17 +112,18 @@ def _ds_offloaded(engine) -> tuple[set[int], set[int]]:
     host: list = []
     if getattr(zopt, "offload_optimizer", False) or getattr(zopt, "cpu_offload", False):
         host += groups["grads"] + _ds_fp32_grads(engine) + groups["optimizer_states"] + groups["master_params"]
-    on_disk = []
+    on_disk, on_disk_ids = [], set()
     for p in engine.module.parameters():
         t = getattr(p, "ds_tensor", None)
         if t is None:
             continue
         if getattr(t, "final_location", None) == OffloadDeviceEnum.nvme:
             on_disk.append(t)  # counted from its swap file; a live buffer is scratch
+            on_disk_ids.add(p.ds_id)
         elif getattr(zopt, "offload_param", False) and not getattr(p, "ds_persist", False):
             host.append(t)
     ptr = lambda ts: {t.untyped_storage().data_ptr() for t in ts if torch.is_tensor(t) and t.numel()}  # noqa: E731
-    return ptr(host), ptr(on_disk)
+    return ptr(host), ptr(on_disk), on_disk_ids
 
 
 def _ds_fp32_grads(engine) -> list:
@@ -145,7 +147,7 @@ def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | No
     if engine.backend == "fsdp":
         groups, offloaded, skip = _fsdp_tensors(engine), _fsdp_offloaded(engine), set()
     else:
-        groups, (offloaded, skip) = _ds_tensors(engine), _ds_offloaded(engine)
+        groups, (offloaded, skip, on_disk_ids) = _ds_tensors(engine), _ds_offloaded(engine)
         groups["grads"] = groups["grads"] + _ds_fp32_grads(engine)
     out = {cat: dict.fromkeys(LOCATIONS, 0) for cat in CATEGORIES}
     seen: set[int] = set()
@@ -169,11 +171,7 @@ def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | No
                 where = "device"
             out[cat][where] += storage.nbytes()
     if engine.backend == "deepspeed" and ds_json:
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
-        nvme = {p.ds_id for p in engine.module.parameters()
-                if getattr(getattr(p, "ds_tensor", None), "final_location", None) == OffloadDeviceEnum.nvme}
-        for cat, n in swap_file_bytes(ds_json, rank, params_on_disk=nvme).items():
+        for cat, n in swap_file_bytes(ds_json, rank, params_on_disk=on_disk_ids).items():
             out[cat]["disk"] += n
     return out
 

@@ -217,9 +217,14 @@ PERSISTENCE_DEFAULT = 100_000  # DeepSpeed's stage3_param_persistence_threshold 
 
 
 def persistence_threshold(zero: dict) -> int:
-    """ZeRO-3 keeps parameters under this many elements whole on every rank: the ``zero_optimization``
+    """ZeRO-3 keeps parameters of at most this many elements whole on every rank: the ``zero_optimization``
     section's ``stage3_param_persistence_threshold``, or DeepSpeed's default."""
     return int(float(zero.get("stage3_param_persistence_threshold", PERSISTENCE_DEFAULT)))
+
+
+def is_persistent(numel: int, threshold: int) -> bool:
+    """DeepSpeed's rule (``mark_persistent_parameters``): a parameter of at most ``threshold`` elements."""
+    return numel <= threshold
 
 
 def _shard_group(job, key: str, world_size: int) -> int:
@@ -237,7 +242,7 @@ def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float
         out["optimizer_states"] += 4  # one step counter per flat group
         if key.startswith("zero3"):
             threshold = persistence_threshold(_zero(job))
-            whole = sum(math.prod(s) for s in shapes.params if math.prod(s) < threshold)
+            whole = sum(math.prod(s) for s in shapes.params if is_persistent(math.prod(s), threshold))
             per = 2 if job.mixed_precision == "bf16" else 4
             out["params"] += per * whole * (1 - 1 / world_size)
         return [out] * world_size
@@ -268,7 +273,7 @@ def zero3_kept_gathered(job, shapes: Shapes, world_size: int) -> int:
     reuse = int(float(zo.get("stage3_max_reuse_distance", 1e9)))
     kept = after = 0
     for n in reversed([math.prod(s) for s in shapes.params]):
-        if n < threshold:
+        if is_persistent(n, threshold):
             continue  # persistent: whole on every rank, in the state already
         if 2 * after <= reuse:
             kept += n

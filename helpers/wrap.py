@@ -30,7 +30,7 @@ So even ``NO_WRAP`` gives three units under ``accelerate launch`` (embedding, ta
 root of a transformer often holds no parameters at all.
 
 DeepSpeed ZeRO-3 has no such choice: it gathers parameter by parameter, in buckets of
-``stage3_prefetch_bucket_size`` elements, and keeps parameters below
+``stage3_prefetch_bucket_size`` elements, and keeps parameters of at most
 ``stage3_param_persistence_threshold`` elements whole on every rank.
 """
 

@@ -90,7 +90,7 @@ from pathlib import Path
 
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
-from helpers.estimate import persistence_threshold
+from helpers.estimate import is_persistent, persistence_threshold
 from helpers.models import resolve_model
 from helpers.wrap import meta_model
 
@@ -111,8 +111,8 @@ for name in ("tiny", "small"):
     SHAPES[name] = dict(params=sum(numel.values()), layer_max=max(layers.values()), layer_matrix_min=min(matrices),
                         partition_max_bytes=max(numel.values()) * 2 // NPROC,
                         swappable=sorted(n for n, v in numel.items() if v * 2 // NPROC >= NVME_MIN),
-                        over_threshold=sorted(n for n, v in numel.items() if v > THRESHOLD),  # the rest stay whole
-                        persistent_bytes=sum(2 * v for v in numel.values() if v <= THRESHOLD),  # kept whole, bf16
+                        over_threshold=sorted(n for n, v in numel.items() if not is_persistent(v, THRESHOLD)),  # the rest stay whole
+                        persistent_bytes=sum(2 * v for v in numel.values() if is_persistent(v, THRESHOLD)),  # kept whole, bf16
                         fp32_partition_bytes=4 * -(-sum(numel.values()) // NPROC))  # the optimizer's flat partition
     print(f"{name:6s} {SHAPES[name]['params'] / 1e6:5.2f}M params; decoder-layer weights {min(layers.values()):,} to "
           f"{SHAPES[name]['layer_max']:,} elements; over the threshold: "

@@ -171,3 +171,4 @@ def test_persistence_default_is_deepspeeds():
     assert est.PERSISTENCE_DEFAULT == DeepSpeedZeroConfig().param_persistence_threshold
     assert est.persistence_threshold({}) == est.PERSISTENCE_DEFAULT
     assert est.persistence_threshold({"stage3_param_persistence_threshold": "1e4"}) == 10_000
+    assert est.is_persistent(100_000, 100_000) and not est.is_persistent(100_001, 100_000)  # "at most", as DeepSpeed

@@ -127,8 +127,11 @@ class DtypeProbe:
     def _before_step(self, optimizer, args, kwargs) -> None:
         if not self.armed:
             return
+        got = self._fsdp_stored() if self.engine.backend == "fsdp" else self._ds_stored()
+        if got is None:  # ZeRO-3 steps its sub-groups one at a time: wait for the one that holds this param
+            return
         self.armed = False
-        self.out.update(self._fsdp_stored() if self.engine.backend == "fsdp" else self._ds_stored())
+        self.out.update(got)
 
     def _fsdp_stored(self) -> dict:
         p, opt = self.param, self.engine.optimizer
@@ -145,7 +148,7 @@ class DtypeProbe:
             "optimizer_states": _states_dtype(state),
         }
 
-    def _ds_stored(self) -> dict:
+    def _ds_stored(self) -> dict | None:
         from deepspeed.utils import safe_get_local_fp32_param
 
         p, ds = self.param, self.engine.engine
@@ -160,7 +163,11 @@ class DtypeProbe:
                     "optimizer_states": None}
         master = safe_get_local_fp32_param(p)
         inner = _inner_optimizer(self.engine)
-        flat = next(t for g in inner.param_groups for t in g["params"] if _same_storage(t, master))
+        # the inner optimizer holds only the flat fp32 partition of the sub-group it is stepping now
+        # (stage3.py _optimizer_step); with a small sub_group_size that may be another parameter's
+        flat = next((t for g in inner.param_groups for t in g["params"] if _same_storage(t, master)), None)
+        if flat is None:
+            return None
         return {
             "stored_param": short(p.ds_tensor.dtype),
             "master_param": short(master.dtype),

@@ -116,3 +116,18 @@ def test_gradient_accumulation_agrees_across_backends(tmp_path):
     assert f["losses"][0] == d["losses"][0]
     assert max(abs(a - b) for a, b in zip(f["losses"], d["losses"], strict=True)) < 1e-3
     assert f["losses"][-1] < f["losses"][0] - 0.5
+
+
+def test_dtype_probe_under_zero3_sub_groups(tmp_path):
+    """A small sub_group_size (a valid DeepSpeed config) splits the fp32 master into several flat partitions,
+    which ZeRO-3 hands its optimizer one at a time: the probe waits for the one holding its parameter
+    (it once stopped the job at step 1 with StopIteration)."""
+    ds = json.loads((REPO / "launch_configs/deepspeed/zero3.json").read_text())
+    ds["zero_optimization"]["sub_group_size"] = 4096
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    (tmp_path / "c.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    proc = run_job(str(tmp_path / "c.yaml"), tmp_path / "run", 2, *TINY, "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = summary(tmp_path / "run")["dtypes"]
+    for key, want in SEED_ROWS["deepspeed"].items():
+        assert d[key] == want, (key, d[key], want)

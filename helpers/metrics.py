@@ -94,7 +94,13 @@ SUMMARY_KEYS = {
                          "hold, {params, optimizer} (0 without NVMe): RAM the swapped state passes "
                          "through, not in memory_bytes (helpers.offload.swap_buffer_bytes)",
     "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.mapping)",
-    "peak_memory_bytes": "per rank (list): peak memory of training, after set-up (see peak_memory_source)",
+    "peak_memory_bytes": "per rank (list): peak memory of training, after set-up, checkpoint saves left out "
+                         "(see peak_memory_source, save_peak_memory_bytes)",
+    "save_peak_memory_bytes": "per rank (list): peak memory of the checkpoint saves (the one after the last step "
+                              "included), left out of peak_memory_bytes and peak_tensor_bytes: on GPU "
+                              "cuda.max_memory_allocated during the saves, on CPU RssAnon at each save's end "
+                              "(a lower bound; RssAnon a save leaves behind still shows in later samples); "
+                              "null without saves",
     "setup_peak_memory_bytes": "per rank (list): peak memory of the set-up (build, load, shard); on CPU the "
                                "RssAnon when training starts",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",
@@ -109,6 +115,11 @@ SUMMARY_KEYS = {
                            "limit, on a CPU compared with peak_tensor_bytes after the probe step",
     "memory_budget_fits": "true: every rank's peak stayed within memory_budget_bytes; false: the job stopped "
                           "because one did not (status failed, reason says which rank); null: no budget",
+    "deterministic": "true: a GPU job ran with --deterministic (torch.use_deterministic_algorithms, "
+                     "CUBLAS_WORKSPACE_CONFIG); false otherwise, and always on a CPU, where it changes nothing",
+    "optimizer_impl": "how the optimizer stepped, read from it: for-loop (the default, --optimizer-impl; the "
+                      "mode FSDP/DeepSpeed parity holds in), foreach or fused (fewer kernels, for throughput; "
+                      "parity not promised), torch-default (a DeepSpeed JSON optimizer: torch picks), null",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
                                 "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
                                 "gradient_checkpointing (2 blocks)\" (helpers.recompute)",

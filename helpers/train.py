@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "DeepSpeed without bf16), bf16, fp32")
     ap.add_argument("--peak-tflops", type=PEAK_TFLOPS, help="the device's peak TFLOPS for MFU (default: "
                     "a table of GPUs; measured on a CPU), see helpers.throughput")
+    ap.add_argument("--optimizer-impl", help="how AdamW steps on both backends: for-loop (default; the parity "
+                    "mode, FSDP and DeepSpeed give the same bits), foreach or fused (fewer kernels, for fair "
+                    "throughput on a GPU; parity not promised)")
     ap.add_argument("--compile", action="store_true", default=None,
                     help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler trace per rank of a few steps "
@@ -107,6 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "peak_tensor_bytes after step 1 (helpers.tensor_peak)")
     ap.add_argument("--track-updates", action="store_true", help="updated_fraction per step in metrics.jsonl "
                     "(helpers.precision.UpdateTracker: copies every shard each step; null without it)")
+    ap.add_argument("--deterministic", action="store_true", help="on a GPU: torch.use_deterministic_algorithms"
+                    "(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8, so a rerun, a resume or the aligned pair can be bit "
+                    "for bit (SDPA's flash and memory-efficient backward then take their deterministic paths); "
+                    "costs speed (slower attention and embedding backward) and a little memory (cuBLAS workspaces); "
+                    "on a CPU the guide's ops are deterministic already and it changes nothing")
     return ap.parse_args(argv)
 
 
@@ -151,7 +159,7 @@ def versions() -> dict:
 
 
 OVERRIDES = ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip", "timeout",
-             "model_dtype", "compile")  # the flags that override the launch config (helpers.config)
+             "model_dtype", "compile", "optimizer_impl")  # the flags that override the launch config (helpers.config)
 
 
 @dataclass
@@ -177,6 +185,7 @@ class JobState:
     resume_state: dict | None = None  # DeepSpeed --resume: state read before the backend
     start_step: int = 0
     probe: object = None  # helpers.memory.StepProbe for the step about to run, or None
+    in_loop: bool = False  # the train loop has started (an out-of-memory before it is the set-up's)
 
     @property
     def use_cuda(self) -> bool:
@@ -281,10 +290,16 @@ def start(s: JobState) -> None:
 
     if torch.cuda.is_available():
         s.device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        if s.args.deterministic:  # before the first cuBLAS handle, which reads the workspace setting
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)  # strict: SDPA then picks deterministic backward kernels
         torch.cuda.set_device(s.device)
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         s.device = torch.device("cpu")
+        if s.args.deterministic:
+            s.job.notes.append("--deterministic: nothing to change on a CPU (the guide's CPU ops give the same "
+                               "bits run to run)")
     from .observers import default_observers
 
     s.observers = default_observers(s)
@@ -353,11 +368,12 @@ def wrap(s: JobState) -> None:
         s.resume_state = before_backend(s.model, s.resume_meta, s.args.resume)
     s.engine = apply_backend(s.model, s.job, s.device)
     s.summary["activation_checkpointing"] = s.engine.activation_checkpointing  # helpers.recompute
+    s.summary["optimizer_impl"] = optimizer_impl(s.engine.optimizer)
     s.run.log(f"activation checkpointing: {s.engine.activation_checkpointing or 'off (every activation is kept)'}")
     if s.load_method == "fsdp_ram_efficient":
         from .loading import fsdp_fill
 
-        fsdp_fill(s.engine, s.spec, s.model_dtype, s.device)
+        fsdp_fill(s.engine, s.spec, s.model_dtype, s.device, offload=s.job.fsdp.offload_params)
 
 
 def restore(s: JobState) -> None:
@@ -382,6 +398,7 @@ def train_loop(s: JobState) -> None:
     from .models import synthetic_batch
 
     t, obs, engine = s.job.train, s.observers, s.engine
+    s.in_loop = True
     vocab = s.model.config.vocab_size
     s.run.log(f"model {t.model}: {s.summary['num_params'] / 1e6:.2f}M params; "
               f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
@@ -395,9 +412,12 @@ def train_loop(s: JobState) -> None:
         s.probe = None
         obs.on_step_begin(s, step)
         lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
+        # the step's one all-reduce is timed too: it carries FSDP's gradient-norm sum (without clipping), which
+        # DeepSpeed reduces inside its own step, so both backends' step times count the same work (--track-updates'
+        # counts are built here too: a run that tracks updates is not a throughput run)
         with Timer(s.device) as timer:
             loss = engine.train_step(batches, s.probe)
-        sums = sum_over_ranks({"loss": loss, **engine.step_sums(), **obs.step_sums(s)}, s.device)
+            sums = sum_over_ranks({"loss": loss, **engine.step_sums(), **obs.step_sums(s)}, s.device)
         row = {"step": step, "loss": sums["loss"] / s.world_size, "grad_norm": engine.grad_norm(sums), "lr": lr,
                "step_time_s": timer.seconds, "tokens_per_s": s.tokens_per_rank_step / timer.seconds,
                **obs.step_row(s, sums), "elapsed_s": time.perf_counter() - T0}
@@ -414,8 +434,10 @@ def budget_verdict(s: JobState, e: BaseException) -> BaseException:
     if s.args.memory_budget_gib and isinstance(e, torch.cuda.OutOfMemoryError):
         from .guard import JobStop
 
-        return JobStop(f"out of memory under --memory-budget-gib {s.args.memory_budget_gib:g} at step "
-                       f"{s.start_step + len(s.records)} (rank {s.rank})")
+        when = f"at step {s.start_step + len(s.records)}" if s.in_loop else \
+            "during set-up (building, loading or sharding the model, before step 0)"
+        return JobStop(f"out of memory under --memory-budget-gib {s.args.memory_budget_gib:g} {when} "
+                       f"(rank {s.rank})")
     return e
 
 
@@ -465,7 +487,9 @@ def base_summary(s: JobState) -> dict:
         "tokens_per_step": s.tokens_per_rank_step * s.world_size,
         "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
         "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
-        "activation_checkpointing": None, "memory_budget_bytes": None, "memory_budget_fits": None,
+        "activation_checkpointing": None, "optimizer_impl": None, "memory_budget_bytes": None,
+        "memory_budget_fits": None,
+        "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
     }
 
 
@@ -550,6 +574,20 @@ def mode_name(job) -> str:
     if job.backend == "fsdp":
         return job.fsdp.sharding
     return f"ZeRO-{job.deepspeed.zero_stage}"
+
+
+def optimizer_impl(optimizer) -> str | None:
+    """How the optimizer the job steps runs, read from it: for-loop, foreach, fused, torch-default (foreach
+    and fused left unset: torch picks) or null (not a torch optimizer with those options)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds the torch optimizer
+    group = inner.param_groups[0] if getattr(inner, "param_groups", None) else {}
+    if "fused" not in group and "foreach" not in group:
+        return None
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach") is None:
+        return "torch-default"
+    return "foreach" if group["foreach"] else "for-loop"
 
 
 def apply_backend(model, job, device):

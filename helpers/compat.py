@@ -1,10 +1,11 @@
 """Older spellings of ``fsdp_config`` keys that Accelerate (1.15) still reads.
 
 Accelerate copies every ``fsdp_config`` key onto its launch arguments (adding
-the ``fsdp_`` prefix when a key lacks it), and its FSDP plugin turns numbers
-into enums: ``fsdp_sharding_strategy: 1`` is FULL_SHARD (1-5 in the order of
+the ``fsdp_`` prefix when a key lacks it), and under ``fsdp_version: 1`` its FSDP plugin
+turns numbers into enums: ``fsdp_sharding_strategy: 1`` is FULL_SHARD (1-5 in the order of
 ``ShardingStrategy``), ``fsdp_backward_prefetch: 1`` is BACKWARD_PRE,
-``fsdp_state_dict_type: 3`` is SHARDED_STATE_DICT (torch's ``StateDictType``).
+``fsdp_state_dict_type: 3`` is SHARDED_STATE_DICT (torch's ``StateDictType``); under
+``fsdp_version: 2`` it ignores the first two and only the state-dict number still applies.
 ``normalize_fsdp_config`` rewrites those spellings into the names the rest of
 helpers.config checks, and says what it did.
 

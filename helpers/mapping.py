@@ -160,14 +160,16 @@ SETTINGS: list[Setting] = [
             "(fp32 from FSDP with bf16 mixed precision, bf16 from DeepSpeed)"),
     Setting("prefetch", "fsdp_forward_prefetch / fsdp_backward_prefetch",
             "zero_optimization.stage3_prefetch_bucket_size", False,
-            "hints only, they never change the losses: FSDP2 prefetches one module ahead, DeepSpeed "
-            "prefetches a bucket of bytes; NO_PREFETCH = bucket size 0"),
+            "hints only, they never change the losses: FSDP2 prefetches one module ahead (Accelerate ignores "
+            "these keys under fsdp_version 2; the guide applies them itself), DeepSpeed prefetches up to a bucket "
+            "of parameter elements; NO_PREFETCH = bucket size 0"),
     Setting("mixed precision", "mixed_precision: bf16", "bf16.enabled: true", True,
             "fp32 shards + bf16 compute + bf16 reduction on FSDP = fp32 master + bf16 params + bf16 "
-            "gradient buffer (DeepSpeed's default data_types) on ZeRO: bit-identical losses"),
+            "gradient buffer (DeepSpeed's default data_types) on ZeRO-1/2/3: bit-identical losses (ZeRO-0 "
+            "in bf16 runs another optimizer wrapper and does not match)"),
     Setting("low precision", "mixed_precision: no (model loaded in bf16)", "(none)", False,
-            "DeepSpeed always keeps an fp32 master with bf16 on; bf16.enabled false trains fp32, "
-            "which is FSDP with --model-dtype fp32"),
+            "DeepSpeed keeps an fp32 master with bf16 on unless bf16.bf16_master_weights_and_grads (ZeRO-1/2/3); "
+            "bf16.enabled false trains in the model's loaded dtype: for an fp32 model, FSDP with --model-dtype fp32"),
     Setting("reduce dtype", "(none: bf16 under mixed_precision bf16)",
             "data_types.grad_accum_dtype + communication_data_type", False,
             "an fp32 gradient buffer/reduction on DeepSpeed has no fsdp_config key"),

@@ -210,7 +210,7 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
         t.notes.append("fsdp_activation_checkpointing = true: written as the JSON's activation_checkpointing "
                        f"section{' (cpu_checkpointing: the offload)' if ac else ''}, which makes this guide's job "
                        "turn on the model's own checkpointing (helpers.recompute; same losses). Under accelerate "
-                       "launch, your script calls model.gradient_checkpointing_enable(): DeepSpeed does not")
+                       "launch, your script calls model.activation_checkpointing_enable(): DeepSpeed does not")
     if "fsdp_use_orig_params" in left and not left.pop("fsdp_use_orig_params"):
         warn("fsdp_use_orig_params = false: FSDP1's flattened parameters; DeepSpeed (like FSDP2) always trains "
              "the original parameters. Nothing to do")

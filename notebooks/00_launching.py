@@ -26,7 +26,9 @@
 # rate), launched with `torchrun` from `%%bash` cells:
 #
 # * FSDP2 `fully_shard`, FULL_SHARD, bf16 compute on fp32 shards (`launch_configs/fsdp/full_shard.yaml`)
+#   <!-- fact: accelerate.fsdp2_bf16_fp32_shards -->
 # * DeepSpeed ZeRO-3, bf16 compute with fp32 master weights (`launch_configs/deepspeed/zero3.yaml`)
+#   <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
 # **What we look at.** The run directory each job writes, the two loss curves side by
 # side, and a check that they are equal step for step.
@@ -36,13 +38,14 @@ import math
 import os
 from pathlib import Path
 
-from helpers import nb, plots, results
+from helpers import facts, nb, plots, results
 from helpers.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 12 if SIZE == "quick" else 40
 GPUS = nb.gpu_count()
-NPROC = nb.nproc()  # NCCL needs one GPU per rank: every GPU of the node; on CPU, 2 gloo ranks
+NPROC = nb.nproc()  # every GPU of the node (NCCL needs one GPU per rank; not checked here); on CPU, 2 gloo ranks
+# fact: torch.nccl_one_gpu_per_rank
 os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC))
 print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'nccl on ' + str(GPUS) + ' GPU(s)' if GPUS else 'gloo on the CPU'})")
 
@@ -50,21 +53,33 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'nccl on ' + str(GPUS) + '
 # ## The configs are Accelerate's own files
 #
 # Both files use the keys `accelerate launch --config_file` reads, so you can take them
-# unchanged to a GPU node. Our jobs read the same keys and call the native
-# `fully_shard` and `deepspeed.initialize` APIs themselves (Accelerate's own FSDP path
-# falls back to no sharding on a CPU, and its DeepSpeed path is skipped there).
+# unchanged to a GPU node. <!-- fact: accelerate.launch_config_keys --> Our jobs read the same keys and call the native
+# `fully_shard` and `deepspeed.initialize` APIs themselves (on a CPU, Accelerate's own FSDP path
+# falls back to no sharding, and only `use_cpu: true` skips its DeepSpeed path).
+# <!-- fact: accelerate.cpu_fsdp_falls_back --> <!-- fact: accelerate.cpu_flag_skips_deepspeed -->
 
 # %%
+facts.show("accelerate.cpu_fsdp_falls_back", "accelerate.cpu_flag_skips_deepspeed")
+# the file's comments rest on:
+# fact: accelerate.fsdp2_bf16_fp32_shards
+# fact: accelerate.fsdp2_keeps_root_tail_gathered
+# fact: torch.fsdp2_root_reshard
 print(Path("launch_configs/fsdp/full_shard.yaml").read_text())
 
 # %% [markdown]
 # The DeepSpeed YAML points at a JSON file. That is where the settings live that make
 # the pair train identically: **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
 # you say nothing, and Accelerate drops a `0.0` written in the YAML), bf16 on, and
+# <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: accelerate.yaml_clip_zero_dropped -->
 # **`memory_efficient_linear: false`** (ZeRO-3 otherwise swaps torch's linear for its own,
 # which rounds layers with biases differently, e.g. Qwen2's: notebook 02).
+# <!-- fact: deepspeed.zero3_swaps_linear --> <!-- fact: deepspeed.zero3_linear_rounds_bias -->
+# <!-- fact: transformers.qwen2_qkv_bias -->
 
 # %%
+facts.show("deepspeed.gradient_clipping_default", "accelerate.yaml_clip_zero_dropped", "deepspeed.zero3_swaps_linear",
+           "deepspeed.zero3_linear_rounds_bias")
+# fact: accelerate.ds_config_file_refuses_keys
 print(Path("launch_configs/deepspeed/zero3.yaml").read_text())
 print(Path("launch_configs/deepspeed/zero3.json").read_text())
 
@@ -72,7 +87,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 # A config is checked before any process starts. `python -m helpers.config` runs the
 # same check on its own, so you can validate an edited file first. Its `note:` lines name the
 # keys that have no effect here (the three that only `accelerate launch` reads, to start the
-# processes, are in every shipped file):
+# processes, are in every shipped file): <!-- fact: accelerate.launch_only_keys -->
 
 # %% language="bash"
 # python -m helpers.config launch_configs/fsdp/full_shard.yaml --world-size $NPROC
@@ -82,9 +97,9 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 # ## Launching
 #
 # `torchrun` starts `NPROC` copies of `helpers.train`; each learns its `RANK` and
-# `WORLD_SIZE` from the environment. `--standalone` picks a free local port, so two
-# notebooks can launch at once. With no GPU visible the job uses gloo on the CPU (and
-# tells DeepSpeed `DS_ACCELERATOR=cpu`); with GPUs it uses nccl on CUDA. Nothing in the
+# `WORLD_SIZE` from the environment. <!-- fact: torch.torchrun_sets_rank_env --> `--standalone` picks a free local port, so two
+# notebooks can launch at once. <!-- fact: torch.standalone_free_port --> With no GPU visible the job uses gloo on the CPU (and
+# tells DeepSpeed `DS_ACCELERATOR=cpu` <!-- fact: deepspeed.ds_accelerator_env -->); with GPUs it uses nccl on CUDA. Nothing in the
 # command changes. Only rank 0 prints.
 
 # %% language="bash"
@@ -99,7 +114,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 
 # %% [markdown]
 # On more than one machine the same command takes `--nnodes`, a `--node_rank` and a
-# rendezvous address instead of `--standalone`; the job code does not change.
+# rendezvous address instead of `--standalone`; the job code does not change. <!-- fact: torch.multinode_static_rdzv -->
 #
 # ## What a run directory holds
 #
@@ -127,12 +142,15 @@ fig.tight_layout()
 # %% [markdown]
 # **What it means.** The curves lie on top of each other and the difference is zero at
 # every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
-# (bf16 module, fp32 master partitions) do the same arithmetic. The cell below checks
+# (bf16 module, fp32 master partitions) do the same arithmetic.
+# <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes --> The cell below checks
 # this, so the claim fails loudly if it ever stops being true. (Measured on the CPU with
-# gloo. On more than 2 GPUs nccl may sum in another order, so there the cell checks that
-# the losses agree closely; written for, not yet run on, GPUs: `nb.bitwise_parity_expected`.)
+# gloo. On a GPU the cell checks that the losses agree closely, unless the jobs ran with
+# `--deterministic` on at most 2 GPUs (beyond 2, nccl may sum in another order
+# <!-- fact: torch.nccl_sum_order -->); written for, not yet run on, GPUs: `nb.bitwise_parity_expected`.)
 
 # %%
+facts.show("accelerate.fsdp2_bf16_fp32_shards", "deepspeed.zero3_bf16_dtypes")
 gap = max(abs(a - b) for a, b in zip(fsdp.summary["losses"], ds.summary["losses"], strict=True))
 if nb.bitwise_parity_expected(NPROC):
     claim(f"FSDP and ZeRO-3 give identical losses at all {STEPS} steps",
@@ -177,7 +195,7 @@ if SIZE == "full":  # 12 quick steps at 1e-3 do not get that far
 # ## When the config is wrong
 #
 # A typo is refused before any rank starts, with one line naming the file, the key and
-# what was meant. (Under `torchrun` the launcher then adds its own failure report.)
+# what was meant. (Under `torchrun` the launcher then adds its own failure report.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%
 Path("notebooks/runs").mkdir(parents=True, exist_ok=True)

@@ -19,9 +19,9 @@
 # **The question.** Which FSDP setting is which ZeRO stage, and what does each one save
 # per rank? Docs answer with a table; here we answer with the bytes that live jobs hold.
 #
-# **What we run.** Every sharding mode of both backends — FSDP `NO_SHARD`,
+# **What we run.** The main sharding modes of both backends — FSDP `NO_SHARD`,
 # `SHARD_GRAD_OP`, `FULL_SHARD`, `HYBRID_SHARD`; DeepSpeed ZeRO-0, 1, 2, 3 and ZeRO++
-# hpZ — on one model (`small`, 21M parameters): every mode at 2 ranks, the hybrids at 4 (they
+# hpZ <!-- fact: torch.fsdp1_sharding_strategies --> — on one model (`small`, 21M parameters): every mode at 2 ranks, the hybrids at 4 (they
 # need it), and a few modes also at 1 and 4 ranks to see how the bytes scale. Each job counts,
 # on every rank, the bytes of the parameters, gradients, optimizer states and fp32
 # master weights it holds right before its optimizer step, straight from the live
@@ -37,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from helpers import mapping, models, nb, plots, results
+from helpers import facts, mapping, models, nb, plots, results
 from helpers.claims import claim
 
 SIZE = nb.setup()
@@ -61,17 +61,25 @@ print(f"size={SIZE}, ranks {WORLDS}")
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# fact: torch.fsdp_sharding_strategies
+# fact: torch.fsdp2_reshard_after_forward
+# fact: torch.hybrid_shard_replicates
+# fact: deepspeed.zero0_replicates
+# fact: deepspeed.zero_stage_partitions
+# fact: deepspeed.zero1_reduces_at_boundary
+# fact: deepspeed.hpz_secondary_shard
 pd.DataFrame(mapping.mapping_rows()).set_index("mode")
 
 # %% [markdown]
 # The memory model (ZeRO paper) for Adam in bf16 mixed precision: per parameter, **2**
 # bytes of bf16 weights + **2** of bf16 gradients + **12** of optimizer state (an fp32
-# master copy, and fp32 momentum and variance) = 16 bytes. Each stage shards more of it over
+# master copy, and fp32 momentum and variance) = 16 bytes. <!-- fact: deepspeed.bf16_default_dtypes --> Each stage shards more of it over
 # the ranks: ZeRO-1 the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too
+# <!-- fact: deepspeed.zero_stage_partitions -->
 # (measured just before the step, as below, ZeRO-1 and ZeRO-2 hold the same: see why further
-# down). That is DeepSpeed's split; FSDP's aligned mode (Accelerate's) holds
+# down). <!-- fact: deepspeed.zero1_reduces_at_boundary --> That is DeepSpeed's split; FSDP's aligned mode (Accelerate's) holds
 # the same 16 bytes as 4 of fp32 weights, 4 of fp32 gradients and 8 of moments, with no
-# separate master. The `theory` column below follows each backend's own split.
+# separate master. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_mixed_16_bytes --> The `theory` column below follows each backend's own split.
 #
 # ## Run every mode
 #
@@ -92,6 +100,7 @@ print(f"{len(plan)} jobs")
 # Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a
 # CPU machine with fewer cores they share cores: slow, but each rank holds what a 4-GPU
 # job's rank would (the sharding arithmetic is the same; not run on GPUs here).
+# <!-- fact: torch.shard_sizes_device_independent -->
 
 # %% language="bash"
 # set -o pipefail
@@ -120,7 +129,7 @@ fig.tight_layout()
 # %% [markdown]
 # The bars meet their ticks. The check: each category, on each rank, of each run, within
 # 1% of the model (the small differences: padding of uneven shards, Adam's per-parameter step
-# counters), except ZeRO-1/2's gradients, which follow another rule, counted exactly further
+# counters <!-- fact: torch.adam_state -->), except ZeRO-1/2's gradients, which follow another rule, counted exactly further
 # below.
 
 # %%
@@ -132,19 +141,22 @@ claim("every (run, rank, category) but ZeRO-1/2's gradients is within 1% of the 
       outside=len(off))
 
 # %% [markdown]
-# **ZeRO-1/2 gradients.** DeepSpeed's stage-1/2 optimizer gives each rank a contiguous
-# slice of one flat buffer of all parameters. A parameter that straddles a slice edge
-# belongs to two ranks, and each of them keeps that parameter's *whole* gradient until the
-# step. So a rank holds its 1/N of the gradients plus the rest of the (at most two)
+# **ZeRO-1/2 gradients.** DeepSpeed's stage-1/2 optimizer flattens each optimizer param group
+# (here one: all parameters) into one buffer and gives each rank a contiguous slice of it.
+# <!-- fact: deepspeed.zero12_flat_buffer_per_group --> A parameter that straddles a slice edge
+# belongs to each rank it touches, and (with the default bf16 gradient buffer) each keeps that
+# parameter's *whole* gradient until the step. <!-- fact: deepspeed.zero12_straddler_whole_grad --> So a rank holds its 1/N of the gradients plus the rest of the (at most two)
 # parameters that straddle its slice's edges: more when parameters are few and large. The
 # cell below walks the parameters in order, finds those edges, and checks each rank's bytes
 # against that count exactly. ZeRO-3 partitions each parameter separately and has no such
-# overhang.
+# overhang. <!-- fact: deepspeed.zero3_per_param_partitions -->
 
 # %%
-with torch.device("meta"):  # shapes only, no memory
+facts.show("deepspeed.zero12_flat_buffer_per_group", "deepspeed.zero12_straddler_whole_grad")
+with torch.device("meta"):  # shapes only, no memory  # fact: torch.meta_no_storage
     model = models.build_model(models.resolve_model("small"), torch.bfloat16, seed=0, device="meta")
 named = [(n, p.numel()) for n, p in model.named_parameters()]  # the flat buffer's order
+# fact: deepspeed.zero12_flat_buffer_per_group
 total = sum(n for _, n in named)
 
 
@@ -171,11 +183,13 @@ claim("ZeRO-1/2 gradients: each rank holds its 1/N slice plus exactly the rest o
 # %% [markdown]
 # ## More ranks, less per rank — for the sharded parts
 #
-# The fully sharded modes (`full_shard`, `zero3`) divide everything by the number of
-# ranks; ZeRO-2 keeps whole parameters; `no_shard` divides nothing (those two are run at 1
+# The fully sharded modes (`full_shard`, `zero3`) divide (nearly) everything by the number of
+# ranks (ZeRO-3 keeps its smallest parameters whole <!-- fact: deepspeed.zero3_persistent_small_params -->);
+# ZeRO-2 keeps whole parameters <!-- fact: deepspeed.zero2_whole_params -->; `no_shard` divides nothing (those two are run at 1
 # rank at full size only; the quick size plots the fully sharded pair).
 
 # %%
+facts.show("deepspeed.zero3_persistent_small_params")
 sweep_modes = [m for m in ("no_shard", "full_shard", "zero0", "zero2", "zero3")
                if mem[mem["mode"] == m].world_size.nunique() > 1]
 plots.memory_vs_world(mem, sweep_modes);
@@ -212,12 +226,13 @@ if "zero2" in sweep_modes:  # the model at 2 ranks: (2 + 2/2 + 12/2) / 16 = 9/16
 # * **FSDP** (aligned mixed precision, as Accelerate sets it up) upcasts the model to
 #   fp32 and shards *that*. The fp32 shard is what the optimizer updates, so there is no
 #   separate master copy; the bf16 weights exist only while a unit is gathered.
+#   <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_reshard_after_forward -->
 # * **DeepSpeed** keeps the model in bf16 and shards the bf16 weights and gradients, and
-#   keeps a separate **fp32 master** partition for the optimizer.
+#   keeps a separate **fp32 master** partition for the optimizer. <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
 # Both pay the upcast (the seeds' "up to 2x" for parameters): FSDP in its fp32 params and
-# gradients, DeepSpeed in its fp32 master copy (its params and gradients stay bf16). At rest
-# the totals are equal.
+# gradients, DeepSpeed in its fp32 master copy (its params and gradients stay bf16).
+# <!-- fact: deepspeed.zero3_bf16_dtypes --> At rest the totals are equal.
 
 # %%
 ws = 2
@@ -244,15 +259,18 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
 #   once backward is over (at the accumulation boundary), so just before the step it holds
 #   the same as ZeRO-2. During backward (and across accumulation micro-batches) ZeRO-1 holds
 #   the *full* gradient; ZeRO-2 reduces bucket by bucket as backward runs.
+#   <!-- fact: deepspeed.zero1_reduces_at_boundary -->
 # * **SHARD_GRAD_OP vs FULL_SHARD.** Identical at rest. The difference is in between:
 #   SHARD_GRAD_OP keeps each unit's gathered weights from forward until its backward
-#   (no second all-gather), FULL_SHARD frees them and gathers again; notebook 08 counts it
+#   (no second all-gather), FULL_SHARD frees them and gathers again
+#   <!-- fact: torch.fsdp2_reshard_after_forward -->; notebook 08 counts it
 #   per rank (`peak_tensor_bytes`), with the batch it costs. (The process peaks at the end of
 #   this notebook do not isolate it: they hold everything a process holds.)
 #
-# The identity from notebook 00 holds at every world size we ran on the CPU (gloo). Under
-# nccl beyond 2 ranks the two backends may sum in another order (`nb.bitwise_parity_expected`;
-# written for, not yet run on, GPUs): there the cell checks that the losses agree closely.
+# The identity from notebook 00 holds at every world size we ran on the CPU (gloo). On a GPU
+# the cell checks that the losses agree closely, unless the jobs ran with `--deterministic` on
+# at most 2 GPUs (beyond 2, nccl may sum in another order <!-- fact: torch.nccl_sum_order -->;
+# `nb.bitwise_parity_expected`, written for, not yet run on, GPUs).
 
 # %%
 for ws in sorted(set(mem.world_size)):
@@ -267,14 +285,15 @@ for ws in sorted(set(mem.world_size)):
 
 # %% [markdown]
 # The mapping's "=" is about what is sharded, not about the arithmetic. `NO_SHARD` and ZeRO-0
-# shard the same thing (nothing), but here they do not train bit-identically: DeepSpeed runs
-# ZeRO-0 in bf16 through a separate optimizer wrapper (`BF16_Optimizer`) instead of its ZeRO
-# code, and its gradient norm already differs at step 0 (both printed below). We have not traced
+# shard the same thing (nothing) <!-- fact: deepspeed.zero0_replicates -->, but here they do not train bit-identically: DeepSpeed runs
+# ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`) instead of its ZeRO
+# code <!-- fact: deepspeed.zero0_bf16_optimizer -->, and its gradient norm already differs at step 0 (both printed below). We have not traced
 # which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
-# helpers.compare RUN_A RUN_B` names the first step (notebook 02 shows it). ZeRO-1 and ZeRO-2,
-# on the same ZeRO code as ZeRO-3, do match FSDP:
+# helpers.compare RUN_A RUN_B` names the first step (notebook 02 shows it). ZeRO-1 and ZeRO-2
+# (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->
 
 # %%
+facts.show("deepspeed.zero0_bf16_optimizer", "deepspeed.zero_optimizer_classes")
 at2 = {r.summary["mode_key"]: r.summary for r in runs if r.summary["world_size"] == 2}
 norm0 = {r.summary["mode_key"]: float(r.metrics.grad_norm.iloc[0]) for r in runs if r.summary["world_size"] == 2}
 claim(f"at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD train exactly as FULL_SHARD does (the {len(at2['full_shard']['losses'])} "
@@ -311,6 +330,7 @@ fit = pd.DataFrame(rows).set_index("mode").round(2)
 fit
 
 # %%
+# fact: deepspeed.zero0_replicates
 claim(f"at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences than ZeRO-2, and ZeRO-2 more than "
       "ZeRO-0 (DDP-like)", fit.loc["zero3", "max micro-batch"] > fit.loc["zero2", "max micro-batch"]
       > fit.loc["zero0", "max micro-batch"], max_micro_batch=fit["max micro-batch"].to_dict())
@@ -320,7 +340,7 @@ claim(f"at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences t
 #
 # `peak_memory_bytes` is the process's peak anonymous memory (`RssAnon`, sampled after
 # each forward, backward and step; on a GPU, `torch.cuda.max_memory_allocated`). On a
-# CPU it includes what every torch process holds (libraries, allocator caches), so the
+# CPU it includes what every torch process holds (the libraries it loads) <!-- fact: torch.import_rss -->, so the
 # state of a 21M-parameter model is only part of it (the share is printed below), which is
 # why the state is counted tensor by tensor above.
 
@@ -344,9 +364,12 @@ recap = (mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum() / 
 recap
 
 # %% [markdown]
-# * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3,
-#   `HYBRID_SHARD` ~ ZeRO++ hpZ (alike in spirit, a second level of sharding within a node,
-#   not in bytes: the recap table); ZeRO-1 has no FSDP twin. "=" is about what is sharded:
+# * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3
+#   <!-- fact: torch.fsdp_sharding_strategies -->,
+#   `HYBRID_SHARD` ~ ZeRO++ hpZ (alike in spirit: both gather weights within a node, HYBRID_SHARD
+#   by replicating across nodes, hpZ (in backward) from a second, intra-node shard; not in bytes:
+#   the recap table) <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard -->;
+#   ZeRO-1 has no FSDP twin <!-- fact: torch.fsdp1_sharding_strategies -->. "=" is about what is sharded:
 #   FULL_SHARD, NO_SHARD, ZeRO-1/2/3 trained identically over these short runs, ZeRO-0
 #   (bf16) did not. HYBRID_SHARD is not in that list: its 4-rank run ended a little away from
 #   FULL_SHARD's (the final losses in the job lines at the top); we have not traced where it
@@ -357,6 +380,7 @@ recap
 # * Fully sharded state at 4 ranks is a quarter of 1 rank's.
 # * FULL_SHARD (aligned) and ZeRO-3 hold the same total but split it differently: fp32
 #   shards and gradients vs bf16 shards and gradients + fp32 master.
+#   <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
 # Next: `02_precision` — why the seeds' FSDP run stalled when it trained without that fp32
 # copy (bf16 weights and optimizer state), and what each fix costs.
@@ -369,9 +393,26 @@ recap
 # one with the same settings (and back), with a warning and the nearest choice for every
 # setting that has no exact counterpart. "Exact" is about what a setting asks for, not about
 # bit-identical training: NO_SHARD and ZeRO-0 ask for the same sharding (nothing) and still
-# train differently (above).
+# train differently (above). <!-- fact: deepspeed.zero0_replicates -->
 
 # %%
+facts.show("deepspeed.bf16_master_weights_option", "deepspeed.no_bf16_keeps_model_dtype",
+           "accelerate.fsdp2_ignores_prefetch_keys", "deepspeed.prefetch_bucket_elements")
+# the table's notes rest on:
+# fact: torch.hybrid_shard_replicates
+# fact: deepspeed.hpz_secondary_shard
+# fact: torch.fsdp2_cpu_offload_all
+# fact: deepspeed.offload_keys
+# fact: accelerate.low_memory_loading
+# fact: accelerate.full_state_dict_one_file
+# fact: deepspeed.save_16bit_one_file
+# fact: torch.fsdp2_default_backward_prefetch
+# fact: accelerate.fsdp2_bf16_fp32_shards
+# fact: deepspeed.bf16_default_dtypes
+# fact: deepspeed.zero0_bf16_optimizer
+# fact: accelerate.no_reduce_dtype_key
+# fact: deepspeed.reduce_dtype_keys
+# fact: deepspeed.gradient_clipping_default
 pd.set_option("display.max_colwidth", None)  # every note whole
 pd.DataFrame(mapping.settings_rows()).set_index("topic")
 
@@ -379,6 +420,9 @@ pd.DataFrame(mapping.settings_rows()).set_index("topic")
 # python -m helpers.translate launch_configs/fsdp/shard_grad_op.yaml --to deepspeed -o notebooks/runs/01_sgo_as_ds.yaml
 
 # %%
+# the warning printed above rests on:
+# fact: torch.fsdp2_reshard_after_forward
+# fact: deepspeed.zero2_whole_params
 from helpers import translate
 
 sgo = translate.translate("launch_configs/fsdp/shard_grad_op.yaml", "deepspeed")

@@ -23,12 +23,12 @@
 #
 # **What we run.** The same model, data and steps with six configs, 2 ranks each (1 on a
 # one-GPU machine; on more, the tiny model's optimizer partitions would fall under NVMe's
-# minimum: the sizes cell below):
+# minimum: the sizes cell below): <!-- fact: deepspeed.nvme_min_aio_bytes -->
 #
 # | run | config | offload setting |
 # |---|---|---|
 # | FSDP, no offload | `launch_configs/fsdp/full_shard.yaml` | - |
-# | FSDP offload | `launch_configs/fsdp/full_shard_offload.yaml` | `fsdp_offload_params: true` |
+# | FSDP offload | `launch_configs/fsdp/full_shard_offload.yaml` | `fsdp_offload_params: true` <!-- fact: accelerate.fsdp_offload_one_switch --> |
 # | DeepSpeed, no offload | `launch_configs/deepspeed/zero3.yaml` | - |
 # | DeepSpeed optimizer | `launch_configs/deepspeed/zero3_offload_optimizer.yaml` | `offload_optimizer: cpu` |
 # | DeepSpeed params + optimizer | `launch_configs/deepspeed/zero3_offload.yaml` | `offload_optimizer` + `offload_param: cpu` |
@@ -50,7 +50,7 @@
 # %%
 import os
 
-from helpers import nb, offload, plots, results
+from helpers import facts, nb, offload, plots, results
 from helpers.claims import claim, step_times, timing
 from helpers.mapping import CATEGORIES
 
@@ -67,20 +67,20 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # %% [markdown]
 # Two DeepSpeed limits shape what the tiny model shows: ZeRO-3 keeps parameters of at most
 # `stage3_param_persistence_threshold` elements whole on every rank, next to the compute,
-# offload or not; and it swaps to NVMe only tensors of at least `MIN_AIO_BYTES` per rank, or
-# the config's `aio.block_size` if that is larger. In the tiny model every decoder-layer weight is under the first (each
+# offload or not; <!-- fact: deepspeed.zero3_persistent_small_params --> and it swaps to NVMe only tensors of at least `MIN_AIO_BYTES` per rank, or
+# the config's `aio.block_size` if that is larger. <!-- fact: deepspeed.nvme_min_aio_bytes --> In the tiny model every decoder-layer weight is under the first (each
 # parameter still has its 1/N partition, which is what offload moves; the small ones are also
-# kept whole on every rank), and every parameter partition is under the second, while the
-# optimizer's fp32 partition (one flat buffer per kind of state per rank) is over it on this
+# kept whole on every rank), <!-- fact: deepspeed.zero3_persistent_keep_partition --> and every parameter partition is under the second, while the
+# optimizer's fp32 partition (one flat buffer per kind of state per rank) <!-- fact: deepspeed.zero3_one_flat_partition_per_rank --> is over it on this
 # notebook's ranks. With
 # `ARGS = "--model small ..."` the decoder-layer matrices are over the threshold, so only
-# their partitions are kept, and on 2 to 7 ranks (this notebook runs 2 but on one GPU) the partitions of the
+# their partitions are kept, <!-- fact: deepspeed.zero3_persistent_small_params --> and on 2 to 7 ranks (this notebook runs 2 but on one GPU) the partitions of the
 # embedding and the output layer, and only theirs, are large enough to be swapped; on 8 or
 # more, none is (on one rank a partition is the whole tensor, and the larger decoder-layer
 # matrices reach it too). Large enough, but not left on disk: ZeRO-3 swaps them out as it
 # builds the model, then reads them back into a host buffer for good, because
 # `offload_param.max_in_cpu` (1e9 elements by default; our config leaves it) lets every
-# partition of a model this size live in host memory. To keep parameters on NVMe, set it
+# partition of a model this size live in host memory. <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu --> To keep parameters on NVMe, set it
 # below the partitions' total. The two limits, and both models' sizes
 # next to them (bf16 partitions of 1/`NPROC`, built on the meta device: no weights):
 
@@ -101,6 +101,7 @@ assert len(THRESHOLDS) == 1, f"this notebook's DeepSpeed configs set different p
 THRESHOLD = THRESHOLDS.pop()  # the four DeepSpeed configs run here (each its own value, or DeepSpeed's default)
 NVME_JSON = json.loads(Path("launch_configs/deepspeed/zero3_nvme.json").read_text())
 NVME_MIN = max(MIN_AIO_BYTES, NVME_JSON.get("aio", {}).get("block_size", 0))  # as DeepSpeed's swappers take it
+facts.show("deepspeed.zero3_persistent_small_params", "deepspeed.nvme_min_aio_bytes", "deepspeed.nvme_params_read_back_max_in_cpu")
 print(f"stage3_param_persistence_threshold {THRESHOLD:,} elements; NVMe swaps tensors of at least "
       f"{NVME_MIN / 2**20:g} MiB per rank")
 SHAPES = {}
@@ -143,7 +144,7 @@ else:
 # ## NVMe needs a compiled op
 #
 # DeepSpeed reads and writes its swap files with Linux async I/O, a C++ op it compiles once
-# (it needs libaio's header: `apt-get install libaio-dev`). `make setup` installs the header
+# (it needs libaio's header: `apt-get install libaio-dev`). <!-- fact: deepspeed.async_io_needs_libaio --> `make setup` installs the header
 # when it can; the first NVMe job on a machine compiles the op (about a minute on 2 cores, once),
 # and `python -m helpers.warmup --nvme` does it ahead of time. A cell never compiles it without
 # saying so:
@@ -160,9 +161,10 @@ else:
 # %% [markdown]
 # ## The offload keys
 #
-# One key in FSDP, one per kind of state in DeepSpeed (read from the configs: where each one
+# One key in FSDP; <!-- fact: accelerate.fsdp_offload_one_switch --> two in DeepSpeed, `offload_param` for the parameter partitions and
+# `offload_optimizer` for the rest <!-- fact: deepspeed.offload_keys --> <!-- fact: deepspeed.zero3_offload_keys --> (read from the configs: where each one
 # *asks* for each kind of state to go; section 1 shows where the bytes end up: in the tiny
-# model's NVMe run, for one, the parameter partitions stay in host memory, not on disk):
+# model's NVMe run, for one, the parameter partitions stay in host memory, not on disk): <!-- fact: deepspeed.nvme_small_partitions_in_host -->
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -177,7 +179,7 @@ print(offload.settings_table(CONFIGS).to_string())
 # Each run measures, after the backward pass of step 1, every tensor of the four kinds of
 # state on each rank and where it is (`memory_location_bytes` in `summary.json`,
 # `helpers.offload`): on a GPU from the tensor's device; on this machine from the backend's
-# offload bookkeeping (FSDP2's `offload_to_cpu` per parameter, DeepSpeed's
+# offload bookkeeping (FSDP2's `offload_to_cpu` per parameter, <!-- fact: torch.fsdp2_offload_policy_per_module --> DeepSpeed's
 # `offload_optimizer`/`offload_param` and each partition's final location); NVMe-swapped
 # states from the sizes of the rank's swap files on disk.
 
@@ -223,27 +225,28 @@ axes[0].figure.tight_layout()
 # **What it shows.**
 #
 # * **FSDP offload moves everything together**: the parameter shards, their gradients and
-#   Adam's states all go to the host, and the optimizer steps there. There is no key to
-#   offload less.
+#   Adam's states all go to the host, and the optimizer steps there. <!-- fact: torch.fsdp2_cpu_offload_all --> No key offloads one
+#   kind of state alone (Accelerate has one switch for the whole model; torch's `fully_shard`
+#   takes it per module). <!-- fact: torch.fsdp2_offload_policy_per_module --> <!-- fact: accelerate.fsdp_offload_one_switch -->
 # * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,
 #   Adam's states and the reduced gradient partitions go to the host, while the bf16
-#   parameter partitions stay next to the compute. Offloading to the CPU, DeepSpeed also
+#   parameter partitions stay next to the compute. <!-- fact: deepspeed.zero3_offload_keys --> Offloading to the CPU, DeepSpeed also
 #   keeps an fp32 copy of the gradient partition on the host for its host-side step (a buffer
 #   of its own, which by DeepSpeed's source lives between steps), so after backward the "grads"
 #   bar is one fp32 copy of the partition taller (the check below, read after backward; without
-#   offload ZeRO-3 holds no such copy then: it makes one during the step and frees it after):
+#   offload ZeRO-3 holds no such copy then: it makes one during the step and frees it after): <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads -->
 #   offload moves bytes *and* keeps more of them alive. The NVMe run makes the same fp32
 #   gradient copy at the end of backward: pieces of at least 1 MiB would go to swap files, the
-#   others wait in host memory for the step (here all of them: the same check). The swap
+#   others wait in host memory for the step (here all of them: the same check). <!-- fact: deepspeed.nvme_small_grads_wait_in_host --> The swap
 #   buffers its optimizer steps through are not in these counts (section 2 measures them).
 # * **Params + optimizer** moves the bf16 parameter partitions to the host too. The
 #   "persistent" small parameters that ZeRO-3 keeps whole stay next to the compute - in
 #   this tiny model that is every decoder-layer weight and the final norm, whose bytes "device"
-#   keeps (the check below prints both parts).
+#   keeps (the check below prints both parts). <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.zero3_persistent_small_params -->
 # * **NVMe**: the fp32 master and Adam's states are swap files on disk (one flat buffer per
-#   kind of state per rank, each over 1 MiB: the swap-file count is printed below). The
+#   kind of state per rank, each over 1 MiB: the swap-file count is printed below). <!-- fact: deepspeed.nvme_swaps_states_not_step --> The
 #   parameter partitions stay in host memory: each is under 1 MiB here, and with `max_in_cpu`
-#   at its default ZeRO-3 would keep larger ones there too (above).
+#   at its default ZeRO-3 would keep larger ones there too (above). <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu -->
 #
 # On this machine the checks below read each backend's own bookkeeping (what it was told to
 # offload, as it recorded it): they catch a config key that did not take effect, not bytes crossing a
@@ -254,16 +257,18 @@ def places(label, cat, rank=0):
     return set(offload.where(RUNS[label], cat, rank))
 
 
+facts.show("torch.fsdp2_offload_policy_per_module", "deepspeed.zero3_offload_keys",
+           "deepspeed.offload_optimizer_keeps_fp32_grads")
 ALL3 = ("params", "grads", "optimizer_states")
 R = range(NPROC)
 claim("FSDP without offload keeps params, grads and optimizer states on the device, on every rank",
       all(places("FSDP, no offload", c, r) == {"device"} for c in ALL3 for r in R))
-claim("FSDP offload moves all three to the host together, on every rank (the seeds' 'all or nothing')",
+claim("FSDP offload moves all three to the host together, on every rank (the seeds' 'all or nothing')",  # fact: torch.fsdp2_cpu_offload_all
       all(places("FSDP offload", c, r) == {"host"} for c in ALL3 for r in R))
-claim("FSDP offload holds the same state bytes as no offload: the same shards, moved (buffers outside the "
+claim("FSDP offload holds the same state bytes as no offload: the same shards, moved (buffers outside the "  # fact: torch.fsdp2_cpu_offload_all
       "state are not in these counts)",
       RUNS["FSDP offload"].summary["memory_bytes"] == RUNS["FSDP, no offload"].summary["memory_bytes"])
-claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the fp32 master, Adam's states "
+claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the fp32 master, Adam's states "  # fact: deepspeed.zero3_offload_keys
       "and the grad partitions on the host",
       all(places("DeepSpeed optimizer", "params", r) == {"device"} for r in R)
       and all(places("DeepSpeed optimizer", c, r) == {"host"}
@@ -272,7 +277,7 @@ OPT_OFFLOADED = ["DeepSpeed optimizer"] + (["DeepSpeed NVMe"] if NVME_OK else []
 host_grads = {label: [offload.where(RUNS[label], "grads", r)["host"] for r in R] for label in OPT_OFFLOADED}
 dev_grads = [sum(offload.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
 fp32_master = [RUNS["DeepSpeed, no offload"].summary["memory_bytes"][r]["master_params"] for r in R]
-claim("after backward, DeepSpeed without offload holds the bf16 gradient partition only (half the fp32 master's "
+claim("after backward, DeepSpeed without offload holds the bf16 gradient partition only (half the fp32 master's "  # fact: deepspeed.offload_optimizer_keeps_fp32_grads
       "bytes: its fp32 copy is made during the step); with the optimizer offloaded (" + ", ".join(OPT_OFFLOADED)
       + ") it already holds one more fp32 copy, for the host-side step: the extra bytes equal the fp32 master's",
       all(2 * d == m for d, m in zip(dev_grads, fp32_master))
@@ -282,7 +287,7 @@ claim("after backward, DeepSpeed without offload holds the bf16 gradient partiti
 both = [offload.where(RUNS["DeepSpeed params + optimizer"], "params", r) for r in R]
 alone = [offload.where(RUNS["DeepSpeed optimizer"], "params", r) for r in R]
 persistent = SHAPES[RUNS["DeepSpeed params + optimizer"].summary["model"]]["persistent_bytes"]
-claim("adding offload_param moves the same param bytes to the host but for the persistent ones, which stay whole "
+claim("adding offload_param moves the same param bytes to the host but for the persistent ones, which stay whole "  # fact: deepspeed.zero3_persistent_small_params
       "on the device (bf16 bytes of every parameter of at most the threshold's elements)",
       all(b.get("host", 0) > 0 and b.get("device", 0) == persistent and b["host"] + b["device"] == a["device"]
           for b, a in zip(both, alone)),
@@ -290,7 +295,7 @@ claim("adding offload_param moves the same param bytes to the host but for the p
       persistent_MB=persistent / 1e6)
 if NVME_OK:
     states = [offload.where(RUNS["DeepSpeed NVMe"], "optimizer_states", r) for r in R]
-    claim("with NVMe the fp32 master is on disk and Adam's states too (all but the step counters)",
+    claim("with NVMe the fp32 master is on disk and Adam's states too (all but the step counters)",  # fact: deepspeed.nvme_swaps_states_not_step
           all(places("DeepSpeed NVMe", "master_params", r) == {"disk"} for r in R)
           and all(st["disk"] > 1000 * st.get("host", 0) for st in states),
           disk_MB=[st["disk"] / 1e6 for st in states], host_bytes=[st.get("host", 0) for st in states])
@@ -299,15 +304,15 @@ if NVME_OK:
               "the partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
                                                        and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
     else:  # e.g. small: partitions over the minimum are swapped out at the build, then read back (max_in_cpu)
-        claim("no param partition is on disk after the build (offload_param.max_in_cpu at its default): the "
+        claim("no param partition is on disk after the build (offload_param.max_in_cpu at its default): the "  # fact: deepspeed.nvme_params_read_back_max_in_cpu
               "partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
                                                    and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
 
 # %% [markdown]
 # The disk bytes are the swap files themselves, each rank's own (`helpers.offload`
-# reads `nvme_swap/zero_stage_3/*/rank{r}/*.swp`). Rank 0 has three: its fp32 master
+# reads `nvme_swap/zero_stage_3/*/rank{r}/*.swp`). <!-- fact: deepspeed.nvme_swap_file_paths --> Rank 0 has three: its fp32 master
 # partition, Adam's momentum and variance for it, each the size of the fp32 master the
-# no-offload run holds on rank 0, rounded up to DeepSpeed's I/O alignment (`AIO_ALIGNED_BYTES`):
+# no-offload run holds on rank 0, rounded up to DeepSpeed's I/O alignment (`AIO_ALIGNED_BYTES`): <!-- fact: deepspeed.aio_aligned_bytes -->
 
 # %%
 if NVME_OK:
@@ -337,7 +342,7 @@ else:
 # the allocator's peak is exact, the cell checks that FSDP offload lowers it). Bytes do show that the
 # NVMe run cannot have saved RAM here: when `offload_param` goes to `nvme`, DeepSpeed's
 # parameter swapper allocates `buffer_count` x `buffer_size` bf16 elements of page-locked
-# host memory per rank as it starts (whether or not any parameter is swapped), plus its
+# host memory per rank as it starts (whether or not any parameter is swapped), <!-- fact: deepspeed.nvme_param_swapper_locked_buffers --> plus its
 # optimizer swapper's buffers; the job measures both (`swap_buffer_bytes`), and the parameter
 # swapper's alone are more than the bytes this run moved to disk (the check below):
 
@@ -358,7 +363,7 @@ if NVME_OK:
     asked = swap["buffer_count"] * swap["buffer_size"] * 2
     buffers = RUNS["DeepSpeed NVMe"].summary["swap_buffer_bytes"]  # per rank: {params, optimizer}
     on_disk = [sum(offload.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
-    claim("on every rank the NVMe run's parameter swapper holds page-locked buffers of at least buffer_count x "
+    claim("on every rank the NVMe run's parameter swapper holds page-locked buffers of at least buffer_count x "  # fact: deepspeed.nvme_param_swapper_locked_buffers
           "buffer_size bf16 elements (their size read by the job), more bytes than the state the run moved to disk: "
           "here NVMe cannot have saved RAM", all(asked <= b["params"] and d < b["params"] for b, d in zip(buffers, on_disk)),
           param_buffers_MB=[b["params"] / 1e6 for b in buffers], asked_MB=asked / 1e6,
@@ -394,15 +399,15 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 
 # %% [markdown]
 # **What it means.** The lines above are what these single runs measured. Without an accelerator, "copying to
-# the host" is a copy within the same RAM and the optimizer runs on the same cores either way,
+# the host" is at most a copy within the same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop --> and the optimizer runs on the same cores either way,
 # so there is no transfer to pay for. What differs is the code each offload path runs (its own
 # buffers and copies), which could make a step slower or faster than the no-offload path here;
 # one run each cannot tell which, and we have not broken the steps down. NVMe adds reads and
-# writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past the page cache. On a GPU the picture changes: every step, offloaded
+# writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past the page cache. <!-- fact: deepspeed.aio_o_direct --> On a GPU (not run here) the picture changes: every step, offloaded
 # parameters are copied across PCIe to the GPU to compute with (FSDP, which reshards after
-# forward, copies them again for backward), gradients go down to the host optimizer and updated
+# forward, copies them again for backward), <!-- fact: torch.fsdp2_offload_copies_to_gpu --> gradients go down to the host optimizer and updated
 # weights come back up (the optimizer's states and fp32 master stay on the host: that is what
-# offloading them saves), and the optimizer step runs on the host's cores instead of the GPU.
+# offloading them saves), and the optimizer step runs on the host's cores instead of the GPU. <!-- fact: deepspeed.offload_optimizer_steps_on_host -->
 # That time is the price of the accelerator memory offload frees; measure it there with the
 # same cells, repeated and interleaved.
 #
@@ -422,7 +427,7 @@ if GPUS:  # a host-side optimizer step can round unlike the GPU's kernels (not y
 else:
     claim("every offload setting trains bit-identically to the same backend without offload", all(same.values()),
           identical=same)
-if nb.bitwise_parity_expected(NPROC):  # CPU, or up to 2 GPUs: see nb.bitwise_parity_expected
+if nb.bitwise_parity_expected(NPROC):  # CPU; GPU: see nb.bitwise_parity_expected
     claim("FSDP without offload trains bit-identically to DeepSpeed without offload (the aligned pair of notebook 02)",
           losses["FSDP, no offload"] == losses["DeepSpeed, no offload"])
 if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (notebook 00 explains it)
@@ -432,8 +437,9 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (notebook 00
 
 # %% [markdown]
 # On this CPU, offload changed the backends' bookkeeping and copies (and, with NVMe, where the
-# optimizer's bytes wait: on disk), not the arithmetic: the losses are the same bit for bit. (On a GPU, a host-side optimizer step can
-# round differently from the GPU's kernels; there the check compares every step's loss within
+# optimizer's bytes wait: on disk), not the arithmetic, because the same torch AdamW steps on the host
+# (our JSONs set `zero_force_ds_cpu_optimizer: false`): <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off --> the losses are the same bit for bit. (On a GPU, a host-side optimizer step can
+# round differently from the GPU's kernels; <!-- fact: deepspeed.offload_optimizer_steps_on_host --> there the check compares every step's loss within
 # 1% instead.) At full size on 2 ranks the final loss is step 9's, a bump after the loss fell
 # at every step before it (the check above, which runs there; notebook 00 trains on the same
 # data at the same rate and explains it), not a sign that training stalled.
@@ -443,6 +449,7 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (notebook 00
 # What this machine measured (from the run directories):
 
 # %%
+facts.show("deepspeed.offload_needs_force_cpu_optimizer_off")
 print(f"{RUNS['FSDP, no offload'].summary['num_params'] / 1e6:.1f}M params, {NPROC} ranks, {STEPS} steps, "
       f"on {RUNS['FSDP, no offload'].summary['device']}; MB on rank 0 (device / host / disk):")
 for label, row in totals.iterrows():
@@ -453,17 +460,17 @@ if not NVME_OK:
     print(f"  DeepSpeed NVMe: skipped ({NVME_STATE})")
 
 # %% [markdown]
-# * FSDP has one offload switch, and it moves parameters, gradients and optimizer states
-#   together; DeepSpeed offloads the optimizer alone (the bf16 params stay), the params
-#   too, and either to NVMe, where the master weights and Adam's states become swap files.
-# * DeepSpeed's CPU optimizer offload keeps an fp32 gradient copy on the host between steps; ZeRO-3 keeps its
-#   small persistent params next to the compute; only tensors of at least 1 MiB per rank
-#   go to disk.
-# * On this CPU the losses do not change with offload, bit for bit (on a GPU the host-side
+# * Accelerate's FSDP has one offload switch, and it moves parameters, gradients and optimizer states
+#   together; <!-- fact: accelerate.fsdp_offload_one_switch --> <!-- fact: torch.fsdp2_cpu_offload_all --> DeepSpeed offloads the optimizer alone (the bf16 params stay), the params
+#   too, and either to NVMe, where the master weights and Adam's states become swap files. <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.nvme_swaps_states_not_step -->
+# * DeepSpeed's CPU optimizer offload keeps an fp32 gradient copy on the host between steps; <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads --> ZeRO-3 keeps its
+#   small persistent params next to the compute; <!-- fact: deepspeed.zero3_persistent_small_params --> only tensors of at least 1 MiB per rank
+#   go to disk. <!-- fact: deepspeed.nvme_min_aio_bytes -->
+# * On this CPU, with the same torch AdamW stepping on the host, the losses do not change with offload, bit for bit <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off --> (on a GPU the host-side
 #   step may round differently: checked within 1% there). On this CPU-only machine no accelerator memory is
 #   saved - there is none: device and host are one RAM, and only NVMe's swap files leave it -
 #   and its single runs claim no step-time cost; on a GPU the "device" column is what offload
-#   frees, paid for in PCIe traffic and a host-side optimizer step (measure it there with
+#   frees, paid for in PCIe traffic and a host-side optimizer step <!-- fact: torch.fsdp2_offload_copies_to_gpu --> <!-- fact: deepspeed.offload_optimizer_steps_on_host --> (measure it there with
 #   repeated, interleaved runs).
 
 # %% [markdown]
@@ -471,7 +478,7 @@ if not NVME_OK:
 #
 # Nothing below is part of the story above, and nothing runs until you click **Run**. The
 # panel's defaults are this notebook's own command (`$ARGS --steps $STEPS`); it launches the selected configs
-# into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its decoder-layer matrices are then over the persistence threshold (only their partitions are kept).
+# into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its decoder-layer matrices are then over the persistence threshold (only their partitions are kept). <!-- fact: deepspeed.zero3_persistent_small_params -->
 
 # %%
 from helpers import widgets

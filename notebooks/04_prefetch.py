@@ -18,9 +18,10 @@
 #
 # **The question.** A sharded model must gather its parameters before it can compute with them.
 # FSDP lets you say *when* (explicit forward/backward prefetch, resharding after forward) and
-# *in what pieces* (the wrap policy: which modules are units). DeepSpeed ZeRO-3 decides both by
-# thresholds (`stage3_prefetch_bucket_size`, `stage3_max_live_parameters`, ...), parameter by
-# parameter. What does each setting change in the order, number and size of collectives, and
+# *in what pieces* (the wrap policy: which modules are units). <!-- fact: torch.fsdp2_explicit_prefetch_api -->
+# DeepSpeed ZeRO-3 gathers each module's own parameters when that module runs; thresholds
+# (`stage3_prefetch_bucket_size`, `stage3_max_live_parameters`, ...) decide how much more it
+# prefetches and when it releases. <!-- fact: deepspeed.zero3_gathers_per_module --> What does each setting change in the order, number and size of collectives, and
 # what does it cost in memory?
 #
 # **What we run.** Short jobs with `--profile`: every rank records a `torch.profiler` trace of
@@ -36,24 +37,27 @@
 # | ZeRO-3, prefetch by thresholds | `launch_configs/deepspeed/zero3_prefetch.yaml` |
 # | FSDP units: size-based, none, no reshard | `fsdp/full_shard_size_wrap.yaml`, `fsdp/full_shard_no_wrap.yaml`, `fsdp/shard_grad_op.yaml` |
 #
-# **An honest word about this machine.** On a GPU, collectives run on their own CUDA stream, so a
-# prefetched all-gather really travels while the previous layer computes: that is the point of
-# prefetch. On a CPU there are no streams. Gloo runs each collective on its own thread, so an
-# all-gather issued early can proceed while the training thread computes, but all of it shares
-# the same few cores. Here FSDP's prefetch *reorders* the collectives and ZeRO-3's prefetch
-# bucket *merges* them (one gather instead of one per tensor); the traces show both exactly.
+# **An honest word about this machine.** On a GPU (not checked here), collectives run on their own
+# CUDA streams, so a prefetched all-gather travels while the previous layer computes. <!-- fact: torch.gpu_collectives_own_stream --> On a CPU there are no streams.
+# Gloo runs collectives on its own worker threads, <!-- fact: torch.gloo_worker_threads --> so an
+# all-gather issued asynchronously (DeepSpeed's) can proceed while the training thread computes,
+# on the same few cores; <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2 issues its gathers
+# synchronously, so the training thread waits for each. <!-- fact: torch.fsdp2_gathers_synchronous -->
+# Here FSDP's prefetch *reorders* the collectives and ZeRO-3's prefetch bucket *merges* them (one
+# gather instead of one per module); <!-- fact: deepspeed.zero3_bucket_gathers_once --> the traces show both exactly.
 # Step times are compared only where their spreads part. On a GPU the same cells would show
 # the overlap itself (written for, not yet run on, GPUs).
 
 # %%
 import os
 
-from helpers import nb, plots, results, traces, wrap
+from helpers import facts, nb, plots, results, traces, wrap
 from helpers.claims import claim, step_times, timing
 from helpers.config import load_job_config
 from helpers.models import resolve_model
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
+facts.show("torch.fsdp2_gathers_synchronous", "deepspeed.zero3_async_all_gather")  # who waits for a gather on gloo
 GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
 MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
@@ -65,10 +69,13 @@ print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, g
 # %% [markdown]
 # ## 1 · Prefetch on and off, both backends
 #
-# The FSDP pair differs only in `fsdp_forward_prefetch` / `fsdp_backward_prefetch`; the ZeRO-3
-# pair in its `stage3_*` thresholds and `overlap_comm` (open the JSON files to see them). Both
-# ZeRO-3 configs set `stage3_param_persistence_threshold: 0`, so every parameter is sharded, as
-# in FSDP.
+# The FSDP pair differs only in `fsdp_forward_prefetch` / `fsdp_backward_prefetch`, which
+# `helpers.train` maps onto FSDP2's explicit prefetch; `accelerate launch` ignores both under
+# `fsdp_version: 2`, <!-- fact: accelerate.fsdp2_ignores_prefetch_keys --> where FSDP2 still prefetches
+# in backward by default. <!-- fact: torch.fsdp2_default_backward_prefetch --> The ZeRO-3 pair differs in
+# its `stage3_*` thresholds and `overlap_comm`. Both ZeRO-3
+# configs set `stage3_param_persistence_threshold: 0`, so every parameter is sharded, as in
+# FSDP. <!-- fact: deepspeed.zero3_persistence_threshold_zero -->
 
 # %% language="bash"
 # for cfg in fsdp/full_shard_no_prefetch fsdp/full_shard_prefetch deepspeed/zero3_no_prefetch deepspeed/zero3_prefetch; do
@@ -80,6 +87,7 @@ print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, g
 PF = {"FSDP no prefetch": "04_full_shard_no_prefetch", "FSDP prefetch": "04_full_shard_prefetch",
       "ZeRO-3 no prefetch": "04_zero3_no_prefetch", "ZeRO-3 prefetch": "04_zero3_prefetch"}
 pf = {k: results.load_run(f"notebooks/runs/{v}") for k, v in PF.items()}
+facts.show("accelerate.fsdp2_ignores_prefetch_keys")  # why the FSDP pair needs helpers.train, not accelerate launch
 plots.timeline(list(pf.values()), labels=list(pf));
 
 # %% [markdown]
@@ -87,16 +95,21 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # thread's operators), the lower lane communication (gloo's transfers); shaded: forward,
 # backward, optimizer step. Each FSDP gather brings one unit (the input embedding, a decoder
 # block, or the final norm + head: the units `accelerate launch` makes from these files,
-# section 4); with prefetch the next one starts while one computes. ZeRO-3 without prefetch gathers every parameter tensor on its
-# own, in forward and again in backward: many small transfers. ZeRO-3 with its default-sized
-# prefetch bucket (5e7 elements, bigger than this whole model) fetches everything in the first
-# gather and, with `stage3_max_live_parameters` above the model size, keeps it until the step
-# ends: one all-gather per step.
+# section 4); <!-- fact: accelerate.fsdp2_embedding_and_tail_units --> with prefetch, a unit's pre-forward
+# also issues the next unit's gather before its own compute. <!-- fact: torch.fsdp2_forward_prefetch_order -->
+# ZeRO-3 without prefetch gathers each module's own parameters when it runs (here one tensor per
+# module), in forward and again in backward: many small transfers. <!-- fact: deepspeed.zero3_gathers_per_module -->
+# ZeRO-3 with its default-sized prefetch bucket (5e7 elements, bigger than this whole model)
+# fetches everything in the first gather and keeps each parameter until its last use in
+# backward: one all-gather per step. <!-- fact: deepspeed.zero3_bucket_gathers_once --> Its
+# `stage3_max_reuse_distance` (1e9 here) decides that; `stage3_max_live_parameters` only caps
+# the prefetch. <!-- fact: deepspeed.zero3_release_not_by_max_live -->
 #
 # None of this changes the numbers: all four runs train identically.
 
 # %%
 losses = {k: r.summary["losses"] for k, r in pf.items()}
+facts.show("deepspeed.zero3_bucket_gathers_once", "deepspeed.zero3_release_not_by_max_live")
 claim("all four runs train identically (prefetch moves bytes earlier, not values)",
       len({tuple(v) for v in losses.values()}) == 1, losses=[round(x, 4) for x in losses["FSDP prefetch"]])
 
@@ -104,10 +117,10 @@ claim("all four runs train identically (prefetch moves bytes earlier, not values
 # ### What FSDP's prefetch reorders
 #
 # FSDP2 marks its work in the trace (`FSDP::all_gather (model.layers.1)`,
-# `FSDP::post_forward (model.layers.0)`, ...). Without forward prefetch, block 1 is gathered when
-# its own forward starts, after block 0 has finished; with it, block 0's forward first issues
-# block 1's all-gather (`set_modules_to_forward_prefetch`), so the gather is under way while
-# block 0 computes.
+# `FSDP::post_forward (model.layers.0)`, ...). <!-- fact: torch.fsdp2_trace_labels --> Without forward
+# prefetch, block 1 is gathered when its own forward starts, after block 0 has finished; with it,
+# block 0's forward first issues block 1's all-gather (`set_modules_to_forward_prefetch`), before
+# block 0 computes (on gloo FSDP2 waits for it; on a GPU it travels during that compute). <!-- fact: torch.fsdp2_forward_prefetch_order -->
 
 # %%
 def gather_vs_compute(run):
@@ -116,6 +129,7 @@ def gather_vs_compute(run):
             traces.annotation_start(run, "FSDP::post_forward (model.layers.0)"))
 
 
+facts.show("torch.fsdp2_forward_prefetch_order")  # the same order on one rank, two Linear units
 ag0, done0 = gather_vs_compute(pf["FSDP no prefetch"])
 claim("without prefetch, block 1 is gathered after block 0's forward is done", ag0 > done0,
       gather_ms=ag0, block0_done_ms=done0)
@@ -128,8 +142,9 @@ claim("with forward prefetch, block 1's gather starts before block 0's forward i
 #
 # FSDP's count follows from its units: forward gathers each unit once; backward gathers again
 # every unit that resharded after forward (the embedding and the blocks; the final norm + head
-# unit stays gathered, needed again at once, and the root holds no parameters here); gradients
-# are reduce-scattered once per unit that holds parameters. Prefetch changes *when*, not *how many*.
+# unit stays gathered, needed again at once, and the root holds no parameters here); <!-- fact: accelerate.fsdp2_keeps_root_tail_gathered -->
+# gradients are reduce-scattered once per unit that holds parameters. Prefetch changes *when*,
+# not *how many*. <!-- fact: torch.fsdp2_collective_counts -->
 # `helpers.wrap.expected_collectives` writes that down; the table is what the traces counted
 # (rank 0, one step; MB = unsharded bytes moved, bf16 for gathers).
 
@@ -158,9 +173,10 @@ claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step
 # %% [markdown]
 # ## 3 · What prefetch holds: the size of one gather
 #
-# A prefetched unit is gathered earlier, so it is held longer, next to the one computing.
-# ZeRO-3's big prefetch bucket brings the whole model in with its first gather; without prefetch (and with `stage3_max_live_parameters: 0`) it gathers one
-# parameter tensor at a time. FSDP's forward prefetch gathers the next unit while one computes,
+# A prefetched unit is gathered earlier, so it is held longer, next to the one computing. <!-- fact: torch.fsdp2_forward_prefetch_order -->
+# ZeRO-3's big prefetch bucket brings the whole model in with its first gather; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
+# without prefetch it gathers one module's parameters at a time (here one tensor). <!-- fact: deepspeed.zero3_gathers_per_module -->
+# FSDP's forward prefetch gathers the next unit while one computes,
 # so by design it can hold one more unit at a time (the traces show when a gather starts, not
 # how long its bytes stay). `largest_all_gather_MB` (from the traces) is what one gather puts in
 # memory at once.
@@ -185,10 +201,9 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # %% [markdown]
 # **Step time.** Each job's profiled steps, prefetch against no prefetch, with the verdict of
 # their spreads (two steps each: a rough look). ZeRO-3 without prefetch pays one gloo call per
-# parameter tensor, in forward and again in backward, where the bucket pays one; FSDP's
-# prefetch moves gathers earlier, and since gloo runs each collective on its own thread, an
-# early gather can proceed while the training thread computes (the intro), and it can also
-# compete with that thread for the same cores. Whether either was faster or slower here is the
+# module (here per tensor), in forward and again in backward, where the bucket pays one; <!-- fact: deepspeed.zero3_gathers_per_module -->
+# FSDP's prefetch moves gathers earlier, but on gloo FSDP2 waits for each one (the intro), so
+# here it only reorders them. <!-- fact: torch.fsdp2_gathers_synchronous --> Whether either was faster or slower here is the
 # verdict; the next table shows where the time went (compare "both at once"
 # before reading a speed-up as overlap; where the compute lane moves instead, we have not
 # found why, and with two steps a job it may be noise):
@@ -200,9 +215,10 @@ for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 
 # %% [markdown]
 # ### Compute and communication at the same time
 #
-# The time a rank was both computing and communicating (`traces.overlap_ms`). On a CPU part
-# of it is gloo's thread waiting for the other rank while this one computes; on a GPU it is
-# the overlap prefetch buys.
+# The time a rank was both computing and communicating (`traces.overlap_ms`). On a CPU, for
+# DeepSpeed's asynchronous gathers, part of it is gloo's threads waiting for the other rank while
+# this one computes (FSDP2's gathers are synchronous); <!-- fact: deepspeed.zero3_async_all_gather -->
+# on a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
 
 # %%
 for name, r in pf.items():
@@ -216,14 +232,17 @@ for name, r in pf.items():
 # `fsdp_auto_wrap_policy` decides which modules become units, as `accelerate launch` decides with
 # `fsdp_version: 2` (`helpers.wrap` calls Accelerate's own policy function):
 # `TRANSFORMER_BASED_WRAP` one per decoder block (the class comes from the model's
-# `_no_split_modules` unless `fsdp_transformer_layer_cls_to_wrap` names it),
+# `_no_split_modules` unless `fsdp_transformer_layer_cls_to_wrap` names it), <!-- fact: accelerate.fsdp2_transformer_policy_units -->
 # `SIZE_BASED_WRAP` every module holding *more than* `fsdp_min_num_params` parameters in total,
 # children included (so a block and `model.model` become units too, around the smaller units
-# inside them), `NO_WRAP` no policy units. Whatever the policy, Accelerate then gives the input
-# embedding a unit and the final norm + head one more, which stays gathered from forward to
-# backward; the root takes what is left. `fsdp_reshard_after_forward: false`
-# (`shard_grad_op.yaml`) keeps gathered blocks from forward to backward. DeepSpeed has no
-# units: its thresholds decide.
+# inside them), <!-- fact: accelerate.fsdp2_size_policy_counts_children --> `NO_WRAP` no policy units.
+# Whatever the policy, Accelerate then gives the input embedding a unit (with tied embeddings it
+# joins the tail) and the final norm + head one more, which stays gathered from forward to
+# backward; the root takes what is left. <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
+# `fsdp_reshard_after_forward: false` (`shard_grad_op.yaml`) keeps gathered blocks from forward
+# to backward. <!-- fact: torch.fsdp2_reshard_after_forward --> DeepSpeed asks for no units: it gathers
+# each module's parameters as it runs (`set_z3_leaf_modules` can merge a subtree); thresholds
+# decide the rest. <!-- fact: deepspeed.zero3_leaf_modules -->
 #
 # The "transformer blocks" row is section 1's prefetch run (`full_shard_prefetch.yaml`); the
 # other three configs do not set forward prefetch, so their step times and peaks are not a
@@ -231,8 +250,9 @@ for name, r in pf.items():
 #
 # Where the guide differs from `accelerate launch`, on purpose, the job log says so in a `note:`
 # line: with `SIZE_BASED_WRAP` the policy also picks `model.layers` (a `ModuleList`), which
-# torch's `fully_shard` refuses (there `accelerate launch` stops with an error), and the final
-# norm sits inside the `model.model` unit, where a unit of its own fails at forward; the guide
+# torch's `fully_shard` refuses (there `accelerate launch` stops with an error), <!-- fact: torch.fsdp2_refuses_modulelist -->
+# and the final norm sits inside the `model.model` unit, where a unit of its own fails at
+# forward; <!-- fact: torch.fsdp2_unit_inside_unit_fails --> the guide
 # leaves both to the unit around them.
 
 # %% language="bash"
@@ -273,8 +293,8 @@ fig.tight_layout()
 # %% [markdown]
 # **Reading it.** Smaller units mean more, smaller all-gathers; without policy units the root
 # gathers every decoder block at once (`largest_all_gather_MB`) and, during forward and
-# backward, every rank holds all of them. Not resharding after forward saves the backward gathers and keeps the blocks gathered in
-# between. We claim nothing from the allocator's peak between unit choices (one job each, and
+# backward, every rank holds all of them. <!-- fact: torch.fsdp2_root_takes_the_rest --> Not resharding
+# after forward saves the backward gathers and keeps the blocks gathered in between. <!-- fact: torch.fsdp2_reshard_after_forward --> We claim nothing from the allocator's peak between unit choices (one job each, and
 # identical jobs' peaks differ). The counts and sizes are exactly what the units predict:
 
 # %%
@@ -303,24 +323,25 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # %% [markdown]
 # ## 5 · `--compile`
 #
-# `helpers.train --compile` compiles each decoder block in place *before* `fully_shard` (FSDP2),
-# so FSDP's hooks (gather before, reshard after) stay outside the compiled blocks; on DeepSpeed
-# it calls the engine's `compile()`, which compiles the wrapped module. ZeRO-3's hooks run in
-# each module's forward, and dynamo traces them too: they change from call to call, so dynamo
-# recompiles until it reaches its recompile limit and then leaves them eager (one warning per
-# rank each time; the cell counts them instead of printing them).
+# `helpers.train --compile` compiles each decoder block in place *before* `fully_shard` (FSDP2);
+# FSDP's hooks (gather before, reshard after) then run inside the compiled call, but torch marks
+# them dynamo-disabled, so they stay out of the graph. <!-- fact: torch.fsdp2_hooks_not_compiled --> On
+# DeepSpeed it calls the engine's `compile()`, which compiles the wrapped module. <!-- fact: deepspeed.engine_compile_module -->
+# ZeRO-3's gathering hooks are kept out of dynamo, but its other per-module hooks are traced: <!-- fact: deepspeed.zero3_hooks_and_dynamo -->
+# they change from call to call, so dynamo recompiles until its recompile limit (8) and then
+# leaves them eager, <!-- fact: torch.dynamo_recompile_limit --> with a warning the cell counts.
 #
 # Why FSDP1 needed `fsdp_use_orig_params: true` for this: FSDP1 replaced a unit's parameters by
 # one `FlatParameter` and handed out views of it, which `torch.compile` could not trace as the
-# module's own parameters; `use_orig_params=True` kept the original `nn.Parameter`s visible.
+# module's own parameters; `use_orig_params=True` kept the original `nn.Parameter`s visible. <!-- fact: torch.fsdp1_use_orig_params_for_compile -->
 # FSDP2 never flattens: every parameter stays itself (a `DTensor` shard), so there is nothing to
-# ask for, and Accelerate ignores the key under `fsdp_version: 2`.
+# ask for, <!-- fact: torch.fsdp2_params_stay_dtensors --> and Accelerate ignores the key under
+# `fsdp_version: 2`. <!-- fact: accelerate.fsdp2_ignores_use_orig_params -->
 #
-# Compiling costs a long first step (dynamo traces and inductor generates code for every graph: the
-# first step's time is printed below), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
-# committed notebook shows the full run, on the tiny model). Fused kernels on a GPU are where
-# compile pays; on this CPU we only check that compiled training trains and that the first step
-# carries the compile time.
+# Compiling costs a long first step (dynamo traces and inductor generates code for every graph: <!-- fact: torch.compile_on_first_call -->
+# the first step's time is printed below), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
+# committed notebook shows the full run, on the tiny model). On this CPU we only check that
+# compiled training trains and that the first step carries the compile time.
 
 # %% language="bash"
 # if [ "$SIZE" = full ]; then
@@ -357,8 +378,8 @@ else:
 # %%
 print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
 print(f"FSDP, transformer-block units ({len(units_tf)}): {want['all_gathers']} all-gathers and "
-      f"{want['reduce_scatters']} reduce-scatters per step, with or without prefetch; prefetch starts block 1's "
-      "gather while block 0 computes")
+      f"{want['reduce_scatters']} reduce-scatters per step, with or without prefetch; prefetch issues block 1's "
+      "gather before block 0 computes")  # fact: torch.fsdp2_forward_prefetch_order
 print(f"ZeRO-3: {int(tab.loc['ZeRO-3 no prefetch', 'all_gathers'])} all-gathers per step without prefetch, "
       f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, gathered at once)")
 print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers, peak "

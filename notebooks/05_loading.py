@@ -22,13 +22,14 @@
 # save?
 #
 # **What we run.** A local pretrained checkpoint (a preset saved with `save_pretrained`:
-# `config.json` + `model.safetensors`), loaded by real jobs in three ways, at 2 and 4 ranks:
+# `config.json`, `generation_config.json`, `model.safetensors`), <!-- fact: transformers.save_pretrained_files -->
+# loaded by real jobs in three ways, at 2 and 4 ranks:
 #
 # | method | config key (Accelerate's) | what each rank does |
 # |---|---|---|
-# | naive | (default) | `from_pretrained` on every rank, then shard |
-# | FSDP RAM-efficient | `fsdp_cpu_ram_efficient_loading` + `fsdp_sync_module_states` | meta-device init, shard, `to_empty`; rank 0 reads and broadcasts (`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`) |
-# | DeepSpeed ZeRO-3 init | `zero3_init_flag` | `from_pretrained` inside `deepspeed.zero.Init` (transformers' `HfDeepSpeedConfig`): each parameter is partitioned as it is created |
+# | naive | (default) | `from_pretrained` on every rank, then shard <!-- fact: accelerate.ram_efficient_loading_default_off --> |
+# | FSDP RAM-efficient | `fsdp_cpu_ram_efficient_loading` (the launcher also demands `fsdp_sync_module_states`, which FSDP2 ignores) <!-- fact: accelerate.fsdp2_sync_module_states_required_but_ignored --> | meta-device init, shard, `to_empty`; rank 0 reads and broadcasts (`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`) <!-- fact: torch.broadcast_from_rank0_per_tensor --> |
+# | DeepSpeed ZeRO-3 init | `zero3_init_flag` | `from_pretrained` inside `deepspeed.zero.Init` (transformers' `HfDeepSpeedConfig`): <!-- fact: transformers.from_pretrained_in_zero_init --> each module's parameters are partitioned once it is created <!-- fact: deepspeed.zero_init_partitions_on_creation --> |
 #
 # **What we look at.** Per rank: load time, peak `RssAnon` and `RssFile` (see below why
 # not plain RSS), and whether the loaded weights equal the file — all from `summary.json`
@@ -39,7 +40,7 @@ import os
 
 import pandas as pd
 
-from helpers import loading, nb, plots, results
+from helpers import facts, loading, nb, plots, results
 from helpers.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: a smaller model, 2 ranks only
@@ -49,6 +50,7 @@ assert WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU
 PRETRAINED = f"notebooks/runs/05_pretrained_{MODEL}"
 os.environ.update(MODEL=MODEL, PRETRAINED=PRETRAINED, WORLDS=" ".join(map(str, WORLDS)))
 print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
+facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FSDP row's second key
 
 # %% [markdown]
 # ## A local "pretrained" checkpoint
@@ -68,7 +70,7 @@ print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
 # The measurement runs from model creation until the weights are sharded: through
 # `fully_shard` for naive and RAM-efficient loading, through `from_pretrained` for ZeRO-3
 # init (the partitioning happened during it; `deepspeed.initialize` then allocates the
-# optimizer's fp32 master partitions, which is not loading).
+# optimizer's fp32 master partitions, which is not loading). <!-- fact: deepspeed.initialize_fp32_master -->
 
 # %% language="bash"
 # for N in $WORLDS; do
@@ -86,7 +88,7 @@ print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
 #
 # ## Why `RssAnon` and `RssFile`, not RSS
 #
-# transformers memory-maps safetensors files. Pages of the mapping count in RSS as
+# transformers memory-maps safetensors files. <!-- fact: transformers.safetensors_memory_mapped --> Pages of the mapping count in RSS as
 # `RssFile` while they are touched, but the kernel can drop them at any time (they are a
 # cache of the file). What a rank really *owns* is anonymous memory, `RssAnon`: tensors it
 # allocated. Plain RSS adds the two and overstates what a method costs.
@@ -132,13 +134,13 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 # * **Naive**: every rank peaks at the whole model, the dashed line. Four ranks on one
 #   machine each peak at a full copy, loading side by side.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
-#   and receive only their shard; they peak far below naive. Rank 0 reads the whole state
-#   dict to broadcast it (memory-mapped: its `peak_file_MiB` holds the whole file), so its
+#   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they
+#   peak far below naive. Rank 0 reads the whole state dict to broadcast it <!-- fact: torch.broadcast_from_rank0_per_tensor --> (memory-mapped: its `peak_file_MiB` holds the whole file), so its
 #   peak stays well above the others'. The saving is largest on the other `world_size - 1`
 #   ranks, none of which holds a copy any more, and that is what decides whether a node runs
 #   out of host memory.
-# * **ZeRO-3 init**: each parameter is partitioned the moment it is created and filled piece
-#   by piece; only rank 0 reads the file (its `peak_file_MiB` in the table; the others' stays a
+# * **ZeRO-3 init**: each module's parameters are partitioned once the module is created, <!-- fact: deepspeed.zero_init_partitions_on_creation -->
+#   and filled module by module; only rank 0 reads the file <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (its `peak_file_MiB` in the table; the others' stays a
 #   few MiB; rank 0's is the memory-mapped file, page cache, not a copy it made), so no rank
 #   ever holds the whole model in its own (anonymous) memory, rank 0 included. Above its shard a rank
 #   holds DeepSpeed's working memory (parameters gathered while they are filled, buffers),
@@ -147,6 +149,8 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 # The checks below hold these statements to the numbers of this run.
 
 # %%
+facts.show("torch.broadcast_from_rank0_per_tensor", "deepspeed.zero_init_partitions_on_creation",
+           "transformers.zero3_rank0_reads_fills_per_module")  # the two mechanisms above
 claim("each job used the method its config asks for, and every loaded model equals the file on every rank",
       set(table.used) == {"naive", "fsdp_ram_efficient", "zero3_init"} and table.weights_match.all())
 # on `small` (quick size) a rank's fixed costs (communication buffers, DeepSpeed's bookkeeping) are a
@@ -172,9 +176,9 @@ for n in WORLDS:
 # ## The rotary-buffer trap
 #
 # Meta-device init creates no memory; `to_empty()` then allocates *uninitialised* memory
-# for every parameter and buffer, and the state dict fills the parameters. But RoPE's
-# `inv_freq` is a **non-persistent** buffer: it is computed in `__init__` and never saved,
-# so no checkpoint restores it. After `to_empty()` it holds whatever bytes were there:
+# for every parameter and buffer, and the state dict fills the parameters. <!-- fact: torch.to_empty_uninitialised -->
+# But RoPE's `inv_freq` is a **non-persistent** buffer: it is computed in `__init__` and never
+# saved, so no checkpoint restores it. <!-- fact: transformers.rope_buffers_non_persistent --> After `to_empty()` it holds whatever bytes were there:
 # the model runs, with no error, on wrong positions. `helpers.loading.fix_rotary` rebuilds
 # such buffers from the config. See it on a tiny model:
 
@@ -184,6 +188,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from helpers.models import model_config, resolve_model  # noqa: E402
 
+facts.show("transformers.rope_buffers_non_persistent")
 cfg = model_config(resolve_model("tiny"))
 good = AutoModelForCausalLM.from_config(cfg).model.rotary_emb.inv_freq
 meta = loading.meta_model(resolve_model("tiny"), torch.float32)
@@ -193,8 +198,9 @@ rotary = meta.model.rotary_emb
 print("after to_empty:", rotary.inv_freq[:4], " correct:", good[:4])
 fixed = loading.fix_rotary(meta, "cpu")
 print("after fix_rotary:", rotary.inv_freq[:4])
-claim("inv_freq is in no state dict, so no checkpoint can restore it", "model.rotary_emb.inv_freq" not in meta.state_dict())
-claim("fix_rotary rebuilt the one rotary buffer, equal to a freshly built model's", fixed == 1
+claim("inv_freq is in no state dict, so no checkpoint can restore it",  # fact: transformers.rope_buffers_non_persistent
+      "model.rotary_emb.inv_freq" not in meta.state_dict())
+claim("fix_rotary rebuilt the one rotary module's buffers, equal to a freshly built model's", fixed == 1
       and torch.equal(rotary.inv_freq, good))
 
 # %% [markdown]
@@ -211,12 +217,12 @@ for n in WORLDS:
 # %% [markdown]
 # * Naive loading costs every rank the whole model before sharding.
 # * FSDP's RAM-efficient loading (meta init, rank-0 read, broadcast) keeps the other ranks
-#   far below naive; its rank 0 still reads the whole state dict.
+#   far below naive; its rank 0 still reads the whole state dict. <!-- fact: torch.broadcast_from_rank0_per_tensor -->
 # * DeepSpeed's ZeRO-3 init (partition on creation) keeps every rank, rank 0 included, below
-#   the whole model.
+#   the whole model. <!-- fact: deepspeed.zero_init_partitions_on_creation -->
 # * Weights loaded either way match the file's checksums (sum and sum of squares over every
 #   rank's shard).
-# * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict.
+# * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict. <!-- fact: transformers.rope_buffers_non_persistent -->
 
 # %% [markdown]
 # ## Optional: try other settings

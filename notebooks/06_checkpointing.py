@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from helpers import checkpoint, nb, plots, results
+from helpers import checkpoint, facts, nb, plots, results
 from helpers.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, a smaller model, fewer steps
@@ -57,10 +57,10 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 #
 # | config | what is on disk |
 # |---|---|
-# | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it |
-# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one fp32 file |
-# | DeepSpeed | `ds/`: `engine.save_checkpoint`, one partition file per rank |
-# | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer) |
+# | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it <!-- fact: torch.dcp_file_per_rank --> |
+# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one fp32 file <!-- fact: torch.full_state_dict_rank0 --> |
+# | DeepSpeed | `ds/`: `engine.save_checkpoint`, two files per rank (model states, optimizer states) <!-- fact: deepspeed.zero3_checkpoint_files --> |
+# | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
 #
 # Besides model and optimizer, each rank saves its RNG state; the data of a step is a
 # pure function of the step number, so the step counter is the data position.
@@ -87,14 +87,20 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # layout — per parameter name: the fp32 weight, Adam's `exp_avg`, `exp_avg_sq` and step —
 # and writes it for the other side:
 #
-# * `--to fsdp` writes a DCP checkpoint; FSDP reshards it at load time, any world size.
-# * `--to deepspeed` writes the consolidated file. DeepSpeed's own files are cut for one
-#   world size, so the import happens in the job that resumes: weights into the module
+# * `--to fsdp` writes a DCP checkpoint; FSDP reshards it at load time, any world size. <!-- fact: torch.dcp_file_per_rank -->
+# * `--to deepspeed` writes the consolidated file. DeepSpeed's native files load only at the
+#   world size that wrote them <!-- fact: deepspeed.zero_checkpoint_fixed_world_size --> (its own ways
+#   around that: `ds_to_universal` + `load_universal`, and `zero_to_fp32` for weights only), <!-- fact: deepspeed.universal_checkpoint_tools -->
+#   so the import happens in the job that resumes: weights into the module
 #   *before* `deepspeed.initialize`, then `safe_set_full_fp32_param` for the fp32 master
-#   and `safe_set_full_optimizer_state` for Adam. Torch Adam creates its state lazily, at
-#   the first step (and ZeRO-1/2 link each parameter to its slice of it only then), so the
+#   and `safe_set_full_optimizer_state` for Adam. <!-- fact: deepspeed.safe_set_full_state --> Torch Adam
+#   creates its state lazily, at the first step <!-- fact: torch.adam_state_lazy --> (and ZeRO-1/2 link
+#   each parameter to its slice of it only then), <!-- fact: deepspeed.zero12_link_state_after_step --> so the
 #   job creates and links it first. Any world size, any ZeRO stage.
-# * `--to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`.
+# * `--to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`. <!-- fact: transformers.save_pretrained_files -->
+
+# %%
+facts.show("deepspeed.zero_checkpoint_fixed_world_size", "deepspeed.universal_checkpoint_tools")
 
 # %% language="bash"
 # python -m helpers.convert $CK/fsdp/step_$K $CK/to_ds/step_$K --to deepspeed
@@ -154,7 +160,7 @@ claim(f"the relay's loss is bit-identical to the uninterrupted run's at all {2 *
 
 # %% [markdown]
 # Moving only the weights is not enough for this: Adam would restart with zero moments and
-# step 1, so the first update after the switch would differ from the uninterrupted run's.
+# step 1, <!-- fact: torch.adam_state_lazy --> so the first update after the switch would differ from the uninterrupted run's.
 # That is why the converter carries the optimizer state too.
 #
 # ## What each kind of checkpoint costs
@@ -165,6 +171,10 @@ claim(f"the relay's loss is bit-identical to the uninterrupted run's at all {2 *
 # one process.
 
 # %%
+facts.show("deepspeed.zero3_checkpoint_files", "deepspeed.zero3_checkpoint_contents",
+           "deepspeed.save_16bit_model_weights_only", "accelerate.save_state_no_16bit_file")
+
+
 def disk(path):
     return checkpoint.dir_bytes(path) if Path(path).is_dir() else Path(path).stat().st_size
 
@@ -218,10 +228,11 @@ claim("the safetensors export holds fp32 weights only: 4 bytes per parameter", n
 # whatever the backend: the fp32 master weights (4) plus Adam's two fp32 moments (8).
 # DeepSpeed's ZeRO-3 optimizer files hold the fp32 partitions and moments, and its model
 # files no weights at all (the table's empty `model`; the bf16 module copy is rebuilt from the
-# partitions); the 16-bit file is 6x smaller but holds weights only — good for inference or
-# fine-tuning from scratch, not for an exact resume. FULL and SHARDED hold about the same
-# bytes; the difference is *who writes them*: FULL gathers everything into rank 0's memory
-# and one file, SHARDED lets every rank write its own part (which is what lets saving grow
+# partitions); <!-- fact: deepspeed.zero3_checkpoint_contents --> the 16-bit file is 6x smaller but holds
+# weights only — good for inference or fine-tuning from scratch, not for an exact resume. <!-- fact: deepspeed.save_16bit_model_weights_only -->
+# FULL and SHARDED hold about the same bytes; the difference is *who writes them*: FULL gathers
+# everything into rank 0's memory and one file, <!-- fact: torch.full_state_dict_rank0 --> SHARDED lets
+# every rank write its own part <!-- fact: torch.dcp_file_per_rank --> (which is what lets saving grow
 # with the ranks; at 2 ranks here the times above show no difference worth reading).
 #
 # ## The exported model loads with transformers
@@ -251,7 +262,8 @@ for kind, r in table.iterrows():
 # %% [markdown]
 # * A checkpoint that resumes exactly holds the model, the optimizer (moments *and* step), the
 #   RNG and the data position (`tests/test_checkpoint.py` resumes from each kind, exactly).
-# * FSDP and DeepSpeed keep the same fp32 numbers in different layouts; converting through
+# * FSDP and DeepSpeed keep the same fp32 numbers in different layouts <!-- fact: deepspeed.zero3_checkpoint_contents -->;
+#   converting through
 #   one consolidated layout, with the DeepSpeed import done inside the resuming job,
 #   continues training bit-identically in both directions.
 # * Saves are atomic: a checkpoint directory exists only once it is complete

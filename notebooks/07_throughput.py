@@ -22,7 +22,7 @@
 # move with the model's size and the number of ranks?
 #
 # **What we run.** The aligned pair of the seeds (bf16 compute, fp32 master weights) on
-# this machine; then both backends over model sizes and over 1, 2 and 4 ranks
+# this machine; <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes --> then both backends over model sizes and over 1, 2 and 4 ranks
 # (`benchmarks/scaling.py`, which launches real `helpers.train` jobs and collects their
 # summaries into a CSV).
 #
@@ -36,7 +36,7 @@ import os
 
 import pandas as pd
 
-from helpers import metrics, models, nb, plots, results, throughput
+from helpers import facts, metrics, models, nb, plots, results, throughput
 from helpers.claims import claim, step_times, timing
 
 SIZE = nb.setup()
@@ -65,17 +65,17 @@ print(f"size={SIZE}: pair {PAIR_STEPS} steps on {NPROC} ranks; sizes {SIZES}; ra
 #   torchtitan use it too). Each weight does a multiply-add (2 FLOPs) per token forward
 #   and two backward: `6 N`. `N` leaves out the **embedding table** — a lookup does no
 #   arithmetic, and in our presets it is 15-22% of all parameters — but keeps the output
-#   projection `lm_head`, a real hidden x vocab matmul. `12 L H Q T` is attention's two
+#   projection `lm_head`, a real hidden x vocab matmul. <!-- fact: torch.embedding_is_lookup --> <!-- fact: transformers.llama_lm_head_untied_linear --> `12 L H Q T` is attention's two
 #   matmuls (`QK^T`, `AV`) over the sequence, not halved for the causal mask.
 # * **Peak**: on a GPU, the dense peak in the compute dtype by device name
 #   (`helpers.throughput.GPU_PEAK_TFLOPS`: bf16 A100 312, H100 SXM 989, H200 989 TFLOPS, ...;
-#   plain fp32 for fp32 jobs, as torch keeps TF32 off: H100 67), or `--peak-tflops` for one
+#   plain fp32 for fp32 jobs, as torch keeps TF32 off for matmuls: H100 67) <!-- fact: torch.tf32_off_for_matmuls -->, or `--peak-tflops` for one
 #   the table lacks (written for, not yet run on, a GPU). On a CPU there is no data sheet to trust,
 #   so each job **measures** it at start: rank 0 alone times a 512x512 matmul in the job's
 #   compute dtype on its one thread (the other ranks wait).
 # * **Warm-up**: the first two steps are left out of the medians — step 0 pays first-touch
 #   allocations, kernel selection and lazily created optimizer state, step 1 runs the
-#   memory and dtype probes.
+#   memory and dtype probes. <!-- fact: torch.adam_state_lazy --> <!-- fact: deepspeed.zero3_optimizer_state_lazy -->
 #
 # The FLOPs of our presets, from the same function the jobs call (shapes only, no memory):
 
@@ -92,6 +92,7 @@ presets = pd.DataFrame(rows).set_index("model")
 presets
 
 # %%
+facts.show("torch.embedding_is_lookup", "torch.tf32_off_for_matmuls")
 claim("tiny's count is 6 N + 12 L H Q T by hand (N = 456,320 without the embedding, L = 2, H x Q = 4 x 32, "
       "T = 64)",
       presets.loc["tiny", "FLOPs/token (T=64)"] == 6 * 456_320 + 12 * 2 * 128 * 64,
@@ -160,9 +161,9 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}
 #
 # ## bf16 on a CPU: fast or slow, by instruction set
 #
-# A CPU without bf16 matrix instructions (`avx512_bf16`, AMX) emulates a bf16 matmul, far
-# slower than fp32, the reverse of a GPU, where bf16 tensor cores are the fast path; a CPU with
-# them runs bf16 faster than fp32. The cell below lists what this one has; the first cell
+# How fast a CPU runs a bf16 matmul depends on its instructions (torch's compiled CPU kernels,
+# not checked here): with `avx512_bf16` or AMX this guide measured bf16 faster than fp32; with
+# AVX2 only, far slower, the reverse of a GPU, where bf16 tensor cores are the fast path. The cell below lists what this one has; the first cell
 # after the size sweep prints both measured peaks. The peak is measured in the job's dtype, so MFU stays honest
 # either way. The sweeps below train the **plain fp32 pair**
 # (`fsdp/full_shard_low_precision.yaml --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`),
@@ -226,8 +227,9 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 # %% [markdown]
 # **What it means.** Bigger models process fewer tokens per second (more FLOPs per token)
 # but use the core better: a `tiny` step is a few small matmuls wrapped in fixed costs —
-# Python, launching each op, the optimizer's per-parameter loop, one gather and one reduce
-# per layer through gloo — which do no model FLOPs. As the matmuls grow, those costs
+# Python, launching each op, the optimizer's per-parameter loop (FSDP's; DeepSpeed steps one
+# flat partition), gloo's collectives (FSDP gathers each layer twice, reduces it once) — which do
+# no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> As the matmuls grow, those costs
 # shrink relative to the arithmetic, and MFU is higher than tiny's. Whether it keeps rising
 # with every size is the line above: it need not on a CPU, where a larger model's weights
 # and activations also outgrow the caches (we have not broken `medium`'s step down). The last
@@ -244,6 +246,7 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 # python benchmarks/scaling.py --models $RANKS_MODEL --world-sizes $RANK_EXTRA $SWEEP --out notebooks/runs/07_ranks.csv
 
 # %%
+facts.show("torch.fsdp2_collective_counts", "torch.adamw_foreach_false_loops", "deepspeed.zero3_steps_one_flat_partition")
 ranks = pd.concat([pd.read_csv("notebooks/runs/07_ranks.csv"),
                    size[(size.model == RANKS_MODEL) & (size.world_size == NPROC)]]).sort_values("world_size")
 ranks = ranks.reset_index(drop=True)
@@ -274,23 +277,25 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 # ## What limits MFU here, and what changes on a GPU node
 #
 # * **One thread per rank, oversubscribed at 4 ranks.** Each rank computes on one core
-#   (`OMP_NUM_THREADS=1`); the peak is that core's. At 4 ranks two ranks share a core, so
+#   (`OMP_NUM_THREADS=1`); the peak is that core's. <!-- fact: torch.omp_num_threads_sets_intraop --> At 4 ranks two ranks share a core, so
 #   each shares its core's peak with another rank: MFU per rank falls (it already falls from 1
 #   to 2 ranks, where no core is shared: the collectives below). The total need not fall with it (the
 #   `total_4_over_2` ratios above, one short job per point): a rank waiting in a gloo
 #   collective leaves its core to the other rank.
 #   On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters
-#   its gradients; ZeRO-3 does the same in buckets. With gloo these are memory copies
+#   its gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults --> With gloo these are memory copies
 #   and loopback sockets run by the same cores that compute, with no separate stream to hide
-#   them behind (notebook 04 counts the collectives per step and times their overlap). On GPUs, NCCL over
+#   them behind (notebook 04 counts the collectives per step and times their overlap). <!-- fact: torch.fsdp2_gathers_synchronous --> On GPUs, NCCL over
 #   NVLink/InfiniBand runs on its own streams and FSDP's prefetch overlaps the next
-#   layer's all-gather with this layer's compute.
+#   layer's all-gather with this layer's compute (not checked here). <!-- fact: torch.gpu_collectives_own_stream -->
 # * **Fixed costs per op.** A small model issues many small ops; on a GPU the same
-#   launch overheads are what CUDA graphs and `torch.compile` remove, and a 7B model's
+#   launch overheads shrink with `torch.compile`, which fuses ops, and CUDA graphs (its
+#   `mode="reduce-overhead"`, not the default), <!-- fact: torch.compile_cudagraphs_only_reduce_overhead --> and a 7B model's
 #   matmuls are large enough to hide them — which is how the seeds reach 0.4.
-# * **bf16 depends on the hardware.** On a CPU without bf16 instructions it is the slow path,
-#   on one with them (this one, if the cells above said so) and on GPUs the fast one. Measured
+# * **bf16 depends on the hardware.** On the CPUs this guide measured, it was the slow path
+#   with AVX2 only and the fast one with bf16 instructions (this one, if the cells above said
+#   so; other CPUs not checked); on GPUs, the fast one. Measured
 #   in the job's dtype, MFU is fair on all of them.
 #
 # ## Recap
@@ -300,6 +305,7 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 # their rows differ in both, so read each group on its own:
 
 # %%
+facts.show("torch.compile_cudagraphs_only_reduce_overhead")
 recap = pd.concat([
     pair.assign(model="tiny", dtype="bf16"),
     size.assign(name=lambda d: d.backend + " " + d.model + ", " + d.world_size.astype(str) + " ranks")

@@ -26,9 +26,10 @@
 # micro-batch of each method; then each method's job runs at that batch and walks one sequence
 # at a time until a batch that fits sits next to one that does not (or batch 1 does not fit),
 # two steps a job, under `--memory-budget-gib`. On a GPU the budget is
-# the allocator's limit (an out-of-memory stops the job with one line); on this CPU the job
+# the allocator's limit (an out-of-memory stops the job with one line) <!-- fact: torch.cuda_memory_fraction_oom -->;
+# on this CPU the job
 # counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's allocator
-# events over steps 0-1; identical jobs still differ, by the spread printed with the peaks
+# events over steps 0-1 <!-- fact: torch.profiler_cpu_memory_events -->; identical jobs still differ, by the spread printed with the peaks
 # table) and
 # stops when it passed the budget.
 #
@@ -50,7 +51,7 @@ import pandas as pd
 import yaml
 
 from helpers import estimate as est
-from helpers import nb, plots, results
+from helpers import facts, nb, plots, results
 from helpers.claims import claim, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the tiny model, shorter timing runs
@@ -71,19 +72,22 @@ print(f"size={SIZE}: model {MODEL}, seq {SEQ}, budget {BUDGET_GIB} GiB per rank,
 # ## The methods
 #
 # FSDP's three sharding strategies stand for the three ZeRO stages they match (notebook 01
-# shows the bytes): NO_SHARD = ZeRO-0 (DDP), SHARD_GRAD_OP ~ ZeRO-2, FULL_SHARD = ZeRO-3. Each
-# runs without and with activation checkpointing (`fsdp_activation_checkpointing: true`; the
+# shows the bytes): NO_SHARD = ZeRO-0 (DDP), SHARD_GRAD_OP ~ ZeRO-2, FULL_SHARD = ZeRO-3. <!-- fact: torch.fsdp_sharding_strategies --> Each
+# runs without and with activation checkpointing (`fsdp_activation_checkpointing: true` <!-- fact: accelerate.fsdp2_ac_wraps_blocks -->; the
 # shipped `full_shard_ac.yaml`, and two copies of the other configs with that one key added,
 # written into the runs folder). DeepSpeed's ZeRO-3 runs too, from the shipped `zero3.json`
-# and `zero3_ac.json` (its `activation_checkpointing` section) with one key changed,
+# and `zero3_ac.json` (its `activation_checkpointing` section, which the guide's harness reads to
+# turn on the model's own checkpointing; DeepSpeed alone does not <!-- fact: deepspeed.activation_checkpointing_section_inert -->) with one key changed,
 # `reduce_bucket_size` set to `BUCKET` elements: why, the section after the table shows with
 # the default. The seeds' ZeRO-3 + CPU offload row is FULL_SHARD with `fsdp_offload_params`
 # (the shipped `full_shard_offload.yaml`, and a copy with checkpointing): on a GPU its states
-# leave the device; this machine has one RAM, so here it shows what offload cannot do.
+# leave the device <!-- fact: accelerate.fsdp2_offload_params_policy --> <!-- fact: torch.fsdp2_cpu_offload_all -->;
+# this machine has one RAM, so here it shows what offload cannot do.
 
 # %%
 CFG = RUNS / "08_configs"
 CFG.mkdir(parents=True, exist_ok=True)
+facts.show("deepspeed.activation_checkpointing_section_inert")
 for name in ("no_shard", "shard_grad_op", "full_shard_offload"):
     doc = yaml.safe_load(Path(f"launch_configs/fsdp/{name}.yaml").read_text())
     doc["fsdp_config"]["fsdp_activation_checkpointing"] = True
@@ -93,7 +97,7 @@ for name in ("zero3", "zero3_ac"):  # the shipped JSON, one key changed; a YAML 
     doc["zero_optimization"]["reduce_bucket_size"] = BUCKET
     (CFG / f"{name}_bucket.json").write_text(json.dumps(doc, indent=2))
     (CFG / f"{name}_bucket.yaml").write_text(
-        f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {name}_bucket.json\n")
+        f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {CFG / f'{name}_bucket.json'}\n")
 METHODS = {  # label: (config without checkpointing, with)
     "NO_SHARD = ZeRO-0 (DDP)": ("launch_configs/fsdp/no_shard.yaml", str(CFG / "no_shard_ac.yaml")),
     "SHARD_GRAD_OP ~ ZeRO-2": ("launch_configs/fsdp/shard_grad_op.yaml", str(CFG / "shard_grad_op_ac.yaml")),
@@ -276,9 +280,10 @@ ax.legend();
 
 # %% [markdown]
 # Why does ZeRO-3 fit no more sequences than FULL_SHARD here, with the same 16 bytes per
-# parameter at rest? The estimator's categories per rank at the same micro-batch (FSDP
+# parameter at rest? <!-- fact: deepspeed.zero3_16_bytes_per_param --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
+# The estimator's categories per rank at the same micro-batch (FSDP
 # `params` are fp32; DeepSpeed's are its bf16 shard, next to the fp32 `master_params`, notebook
-# 02). Their states (the first four rows) add up to about the same; the difference is in what
+# 02). <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes --> Their states (the first four rows) add up to about the same; the difference is in what
 # else is held when backward starts (below):
 
 # %%
@@ -291,15 +296,18 @@ print(pd.DataFrame({m: {k: c[k] / 2**20 for k in keys} for m, c in cats.items()}
 rest = {m: sum(c[k] for k in est.STATE) for m, c in cats.items()}
 claim("in the estimator's count, at rest ZeRO-3 holds the same state bytes as FULL_SHARD (params, master, grads, "
       "optimizer states), or at "
-      "most 10% more: the small parameters it keeps whole on every rank (notebook 02)",
+      "most 10% more: the small parameters it keeps whole on every rank (notebook 02)",  # fact: deepspeed.zero3_persistent_small_params
       0 <= rest[DS] / rest[FSDP_METHODS[-1]] - 1 < 0.1, MiB={m: v / 2**20 for m, v in rest.items()})
 
 # %% [markdown]
 # At rest the two hold about the same bytes (the line above says how close). The difference
 # is when backward starts: FSDP has freed
 # its gradients after the last step (`zero_grad(set_to_none=True)`) and makes them again as
-# backward runs, and gathers one unit at a time; ZeRO-3 keeps its gradient partition (one flat
-# buffer made at start-up), its bf16 shard next to the fp32 master, the bucket, and, when
+# backward runs <!-- fact: torch.zero_grad_set_to_none -->, and holds the unit it computes plus
+# the next, which FSDP2 prefetches by default <!-- fact: torch.fsdp2_default_backward_prefetch -->;
+# ZeRO-3 keeps its gradient partition (one flat
+# buffer made at start-up) <!-- fact: deepspeed.zero3_grad_partition_kept -->, its bf16 shard next
+# to the fp32 master, the bucket <!-- fact: deepspeed.zero3_bucket_allocated_whole -->, and, when
 # more than one rank shares the model, every parameter it gathered in forward
 # (`gathered_at_backward`, per rank: the whole model in bf16 less the small parameters it keeps
 # whole; at that moment it takes the place of `gathered_unit`). From its second step on,
@@ -307,7 +315,7 @@ claim("in the estimator's count, at rest ZeRO-3 holds the same state bytes as FU
 # `stage3_max_reuse_distance` elements (default 1e9; DeepSpeed's
 # `PartitionedParameterCoordinator`), and backward uses every one again (`helpers/estimate.py`'s
 # doc says what was measured).
-# A smaller distance frees them sooner, at the price of gathering them a second time. The
+# A smaller distance frees them sooner, at the price of gathering them a second time. <!-- fact: deepspeed.zero3_reuse_distance --> The
 # estimator counts that moment, and its `predicted` column gives ZeRO-3 fewer sequences than
 # FULL_SHARD, with and without checkpointing (the check below). How that compares with the
 # runs' answer is in the table (`predicted` against `largest (runs)`), and the peaks table at
@@ -315,6 +323,7 @@ claim("in the estimator's count, at rest ZeRO-3 holds the same state bytes as FU
 # it leaves out of DeepSpeed's bytes.
 
 # %%
+facts.show("torch.fsdp2_default_backward_prefetch", "deepspeed.zero3_reuse_distance")
 pred = by["predicted"]
 claim("the estimator predicts fewer sequences for ZeRO-3 than for FULL_SHARD, with and without checkpointing",
       all(pred[(DS, ac)] < pred[(FSDP_METHODS[-1], ac)] for ac in ("no", "yes")),
@@ -324,19 +333,21 @@ claim("the estimator predicts fewer sequences for ZeRO-3 than for FULL_SHARD, wi
 # %% [markdown]
 # ## ZeRO-3 with CPU offload, and DeepSpeed's defaults
 #
-# The seeds' GPT-XL row is ZeRO-3 with CPU offload: the states leave the GPU, so only the
-# working set counts against its memory. The estimator predicts that for a GPU (host bytes out
+# The seeds' GPT-XL row is ZeRO-3 with CPU offload: `offload_optimizer` moves the fp32 master,
+# Adam's states and the gradients to the host, `offload_param` the bf16 parameters <!-- fact: deepspeed.zero3_offload_keys -->, so only the working set counts against the GPU's memory. The estimator predicts that for a GPU (host bytes out
 # of the device peak). This machine has one RAM: the states offloaded to "the host" are still
-# tensors of the job, counted by `peak_tensor_bytes`, so offload cannot make that room here. The
+# tensors of the job, counted by `peak_tensor_bytes` <!-- fact: torch.cpu_offload_on_cpu_is_noop -->,
+# so offload cannot make that room here. The
 # table's offload rows are the runs that show it; the line below prints their answer next to the
 # batch the estimator predicts for a GPU with this budget.
 #
 # The table's DeepSpeed row changed one key of the shipped `zero3.json`. The shipped ZeRO-1/2/3
 # configs keep DeepSpeed's default `reduce_bucket_size` (5e8 elements): one contiguous gradient
-# bucket per rank, allocated whole whatever the model's size. One run: the shipped ZeRO-3 at
+# bucket per rank, allocated whole whatever the model's size. <!-- fact: deepspeed.zero_bucket_defaults --> <!-- fact: deepspeed.zero3_bucket_allocated_whole --> One run: the shipped ZeRO-3 at
 # micro-batch 1.
 
 # %%
+facts.show("deepspeed.zero3_bucket_allocated_whole")
 fs_best = PLAN[next(n for n, p in PLAN.items() if p[2].endswith("fsdp/full_shard.yaml"))][4]  # predicted
 offload_gpu = [estimate(c, budget=BUDGET_GIB)["largest_micro_batch"] for c in METHODS[OFFLOAD]]  # without, with AC
 zero3 = estimate("launch_configs/deepspeed/zero3.yaml")
@@ -362,9 +373,9 @@ if GPUS:
 else:
     claim("on one RAM, offload fits fewer sequences than the estimator predicts for a GPU, and within one of "
           "FULL_SHARD without offload, with and without checkpointing: what a GPU would keep on the host is in the "
-          "same memory here", all(o < g and abs(o - f) <= 1 for o, g, f in zip(off, offload_gpu, fs)),
+          "same memory here", all(o < g and abs(o - f) <= 1 for o, g, f in zip(off, offload_gpu, fs)),  # fact: torch.cpu_offload_on_cpu_is_noop
           offload=off, predicted_on_a_gpu=offload_gpu, full_shard=fs)
-claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1: the bucket alone is larger than "
+claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1: the bucket alone is larger than "  # fact: deepspeed.zero3_bucket_allocated_whole
       "the budget, and the measured peak larger than the bucket", z3["memory_budget_fits"] is False
       and max(z3["peak_tensor_bytes"]) > bucket > BUDGET,
       measured_MiB=max(z3["peak_tensor_bytes"]) / 2**20, bucket_MiB=bucket / 2**20, budget_MiB=BUDGET / 2**20)
@@ -375,8 +386,8 @@ print(f"measured peak (largest rank): ZeRO-3 at micro-batch 1 {max(z3['peak_tens
 
 # %% [markdown]
 # On a small model, then, DeepSpeed's defaults can need more memory than FSDP: the bucket is
-# sized for billions of parameters. Lower `reduce_bucket_size` (and `allgather_bucket_size`
-# on ZeRO-1/2) in the JSON when the model is small next to 5e8 elements, as the table's DeepSpeed
+# sized for billions of parameters. Lower `reduce_bucket_size` in the JSON when the model is
+# small next to 5e8 elements (`allgather_bucket_size` allocates no buffer and can stay <!-- fact: deepspeed.allgather_bucket_no_buffer -->), as the table's DeepSpeed
 # row did (`BUCKET` elements); the estimator counts the bucket, so
 # `python -m helpers.estimate --config launch_configs/deepspeed/zero3.yaml ...` shows it before a
 # run does.
@@ -387,6 +398,7 @@ print(f"measured peak (largest rank): ZeRO-3 at micro-batch 1 {max(z3['peak_tens
 # exact: the bytes of every tensor saved for backward, counted once):
 
 # %%
+facts.show("deepspeed.allgather_bucket_no_buffer")
 acts = {}
 for label in METHODS:
     for ac in (False, True):
@@ -403,7 +415,7 @@ claim("and by the same bytes per sequence, within 1%, whatever the sharding", ma
       cut_MiB=[round(c / 2**20, 3) for c in cut])
 
 # %% [markdown]
-# The cost is a second forward of each block during backward. Four runs at the same batch,
+# The cost is a second forward of each block during backward. <!-- fact: torch.checkpoint_wrapper_recompute --> Four runs at the same batch,
 # FULL_SHARD without and with checkpointing, interleaved (plain, checkpointed, plain,
 # checkpointed), every step after the two warm-up steps timed:
 
@@ -418,9 +430,13 @@ claim("and by the same bytes per sequence, within 1%, whatever the sharding", ma
 # %%
 TIMED = {c: [results.load_run(RUNS / f"08_time_{c}_{rep}") for rep in (1, 2)] for c in ("full_shard", "full_shard_ac")}
 plain, ckpt = TIMED["full_shard"], TIMED["full_shard_ac"]
-claim("the losses with checkpointing are identical to those without, step by step, bit for bit",
-      all(a.metrics["loss"].tolist() == b.metrics["loss"].tolist() for a, b in zip(plain, ckpt)),
-      losses=plain[0].metrics["loss"].tolist())
+if nb.bitwise_repeat_expected():  # a CPU; on a GPU only with --deterministic (see nb.bitwise_repeat_expected)
+    claim("the losses with checkpointing are identical to those without, step by step, bit for bit",
+          all(a.metrics["loss"].tolist() == b.metrics["loss"].tolist() for a, b in zip(plain, ckpt)),
+          losses=plain[0].metrics["loss"].tolist())
+else:
+    gap = max(abs(x - y) / abs(x) for a, b in zip(plain, ckpt) for x, y in zip(a.metrics["loss"], b.metrics["loss"]))
+    claim("the losses with checkpointing are within 1% of those without, step by step", gap < 0.01, relative_gap=gap)
 t = timing("checkpointed", [x for r in ckpt for x in step_times(r)], "plain", [x for r in plain for x in step_times(r)])
 print(t)
 print(f"recompute cost here: x{t.ratio:.2f} ({t.verdict}); claimed only when the spreads part")
@@ -436,7 +452,7 @@ _ = ax.set(ylabel="step time, s", title=f"FULL_SHARD, micro-batch {TIME_BATCH}: 
 # In FLOPs the recompute is one extra forward of the blocks (a forward is 2 of the 6 FLOPs per
 # parameter and token, notebook 07: up to a third more compute per step). What it costs in
 # time is the verdict above: on this CPU a step also spends time the recompute does not add to
-# (the optimizer, gloo's collectives, fixed per-op costs), and we have not broken it down.
+# (the optimizer, gloo's collectives), while it repeats the blocks' fixed per-op costs <!-- fact: torch.checkpoint_wrapper_recompute -->, and we have not broken it down.
 # Measure it on your GPU with more steps, where the timings are steady.
 #
 # ## Predicted against measured peak
@@ -512,16 +528,18 @@ claim("every FSDP row but the offload rows is within 10%, or is one of two ident
 # still be this close on a CPU:
 #
 # * **the allocator's caching and fragmentation**: a GPU's reserved memory sits above the
-#   tensors' peak, and the budget's limit applies to reserved memory; on a CPU there is no
-#   cache, so the measured peak is the tensors alone;
-# * **the CUDA context** (hundreds of MiB per GPU, outside the allocator);
+#   tensors' peak, and the budget's limit applies to reserved memory (not checked here) <!-- fact: torch.cuda_limit_on_reserved -->; on a CPU there is no
+#   cache, so the measured peak is the tensors alone <!-- fact: torch.cpu_allocator_no_cache -->;
+# * **the CUDA context** (hundreds of MiB per GPU, outside the allocator; not checked here) <!-- fact: torch.cuda_context_outside_allocator -->;
 # * **single ops' temporaries** (a matmul's output before it is saved), which add a little on
 #   top of the moments it models (the start of backward, FSDP's end of backward, the optimizer
 #   step);
 # * **which rank frees a collective's buffer first**: ranks that hold the same state can peak
 #   apart (the stored grid below shows it rank by rank); the estimator gives them one value;
-# * **gloo's and nccl's own buffers** (communication libraries allocate outside torch's tensors);
-# * **DeepSpeed's flat-buffer padding** (a few elements per rank), and activations of
+# * **gloo's and nccl's own buffers** (communication libraries allocate outside torch's tensors;
+#   not checked here) <!-- fact: torch.nccl_buffers_outside_allocator -->;
+# * **DeepSpeed's padding** (ZeRO-3: up to world size - 1 elements per parameter, on the last
+#   rank) <!-- fact: deepspeed.zero3_padding_last_rank -->, and activations of
 #   non-Llama families, which it counts as Llama-style blocks (an approximation);
 # * **what DeepSpeed ZeRO-3 holds beyond its categories at the start of backward** (a
 #   `peak_alive.py` listing, this model at micro-batch 4, not run here): the tensors alive at
@@ -569,7 +587,8 @@ claim("nine rows in ten or more are within 10% on their worst rank, and the medi
 
 # %% [markdown]
 # DeepSpeed's ZeRO-1/2/3 rows carry its default gradient bucket (`reduce_bucket_size`, 5e8
-# elements: about 1 GB in bf16, whatever the model), which the estimator counts exactly. Their
+# elements: about 1 GB in bf16, whatever the model) <!-- fact: deepspeed.zero3_bucket_allocated_whole -->,
+# which the estimator counts exactly. Their
 # error then says less about how well it counts the rest of their bytes, so here are those rows
 # scored without the bucket, `(predicted - measured) / (measured - bucket)`, next to the other
 # rows:
@@ -614,7 +633,7 @@ claim("every row beyond 10% on its worst rank has more than one rank and was run
 # moves, in listings of the tensors alive at the peak made outside this notebook
 # (`benchmarks/peak_alive.py` on `medium` FULL_SHARD and SHARD_GRAD_OP at 4 ranks, and `tiny`
 # ZeRO-0 at 2), is which collective buffers a rank still holds there: gloo's reduce-scatter
-# clones its input (`aten::clone` under `c10d::_reduce_scatter_base_`), and some ranks still
+# clones its input (`aten::clone` under `c10d::_reduce_scatter_base_`) <!-- fact: torch.gloo_reduce_scatter_clones -->, and some ranks still
 # held the clones of earlier units when the root unit reduced while others had freed them;
 # under ZeRO-0 a rank's extra MiB or two came and went between identical runs, partly bytes the
 # listing cannot attribute to a live tensor. The estimator counts the one reduce-scatter copy
@@ -648,13 +667,13 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   sequence at all. DeepSpeed ZeRO-3, with its gradient bucket sized for this model, fit too,
 #   no more sequences than FULL_SHARD, and the estimator predicted fewer for it (it
 #   keeps its gradient partition, a bf16 shard and, across ranks, the parameters it gathered in
-#   forward when backward starts).
+#   forward when backward starts). <!-- fact: deepspeed.zero3_grad_partition_kept --> <!-- fact: deepspeed.zero3_reuse_distance -->
 # * On one RAM, offload fit within one sequence of FULL_SHARD without it, with and without
 #   checkpointing, and fewer than the estimator predicts for a GPU. DeepSpeed's
-#   default gradient bucket (the estimator's count of DeepSpeed's default, 5e8 elements) is larger than
+#   default gradient bucket (the estimator's count of DeepSpeed's default, 5e8 elements <!-- fact: deepspeed.zero_bucket_defaults -->) is larger than
 #   this budget, and ZeRO-3's measured peak at batch 1 larger still: it did not fit batch 1.
 # * Checkpointing cut the activation bytes per sequence by the same bytes (within 1%) under
-#   every method and left the losses bit-identical (checked on the FULL_SHARD timing pair); its
+#   every method and left the losses bit-identical on this CPU (checked on the FULL_SHARD timing pair); its
 #   recompute cost is printed with its
 #   verdict, claimed only where the step times' spreads part.
 # * The estimator's median error over this notebook's runs (offload rows apart) was within

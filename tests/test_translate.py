@@ -130,7 +130,7 @@ def test_fsdp_only_settings_are_warned(tmp_path):
         assert part in text, part
     assert "checkpointing" not in text  # it has a counterpart now: the JSON's section (a note, not a warning)
     assert t.json["activation_checkpointing"] == {}
-    assert any("gradient_checkpointing_enable()" in n for n in t.notes)
+    assert any("activation_checkpointing_enable()" in n for n in t.notes)
     assert t.json["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
     assert "offload_param" not in t.json["zero_optimization"]
     check(t)

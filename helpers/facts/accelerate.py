@@ -1,0 +1,1 @@
+"""accelerate facts the guide states. Read the module docstring of helpers.facts first."""

@@ -1,0 +1,1 @@
+"""transformers facts the guide states. Read the module docstring of helpers.facts first."""

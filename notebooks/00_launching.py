@@ -25,10 +25,8 @@
 # **What we run.** Two real distributed jobs (and, further down, a third at another learning
 # rate), launched with `torchrun` from `%%bash` cells:
 #
-# * FSDP2 `fully_shard`, FULL_SHARD, bf16 compute on fp32 shards (`launch_configs/fsdp/full_shard.yaml`)
-#   <!-- fact: accelerate.fsdp2_bf16_fp32_shards -->
-# * DeepSpeed ZeRO-3, bf16 compute with fp32 master weights (`launch_configs/deepspeed/zero3.yaml`)
-#   <!-- fact: deepspeed.zero3_bf16_dtypes -->
+# * FSDP2 `fully_shard`, FULL_SHARD, bf16 compute on fp32 shards (`launch_configs/fsdp/full_shard.yaml`) <!-- fact: accelerate.fsdp2_bf16_fp32_shards -->
+# * DeepSpeed ZeRO-3, bf16 compute with fp32 master weights (`launch_configs/deepspeed/zero3.yaml`) <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
 # **What we look at.** The run directory each job writes, the two loss curves side by
 # side, and a check that they are equal step for step.
@@ -55,8 +53,7 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'nccl on ' + str(GPUS) + '
 # Both files use the keys `accelerate launch --config_file` reads, so you can take them
 # unchanged to a GPU node. <!-- fact: accelerate.launch_config_keys --> Our jobs read the same keys and call the native
 # `fully_shard` and `deepspeed.initialize` APIs themselves (on a CPU, Accelerate's own FSDP path
-# falls back to no sharding, and only `use_cpu: true` skips its DeepSpeed path).
-# <!-- fact: accelerate.cpu_fsdp_falls_back --> <!-- fact: accelerate.cpu_flag_skips_deepspeed -->
+# falls back to no sharding, and only `use_cpu: true` skips its DeepSpeed path). <!-- fact: accelerate.cpu_fsdp_falls_back --> <!-- fact: accelerate.cpu_flag_skips_deepspeed -->
 
 # %%
 facts.show("accelerate.cpu_fsdp_falls_back", "accelerate.cpu_flag_skips_deepspeed")
@@ -69,12 +66,9 @@ print(Path("launch_configs/fsdp/full_shard.yaml").read_text())
 # %% [markdown]
 # The DeepSpeed YAML points at a JSON file. That is where the settings live that make
 # the pair train identically: **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
-# you say nothing, and Accelerate drops a `0.0` written in the YAML), bf16 on, and
-# <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: accelerate.yaml_clip_zero_dropped -->
+# you say nothing, and Accelerate drops a `0.0` written in the YAML), bf16 on, and <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: accelerate.yaml_clip_zero_dropped -->
 # **`memory_efficient_linear: false`** (ZeRO-3 otherwise swaps torch's linear for its own,
-# which rounds layers with biases differently, e.g. Qwen2's: notebook 02).
-# <!-- fact: deepspeed.zero3_swaps_linear --> <!-- fact: deepspeed.zero3_linear_rounds_bias -->
-# <!-- fact: transformers.qwen2_qkv_bias -->
+# which rounds layers with biases differently, e.g. Qwen2's: notebook 02). <!-- fact: deepspeed.zero3_swaps_linear --> <!-- fact: deepspeed.zero3_linear_rounds_bias --> <!-- fact: transformers.qwen2_qkv_bias -->
 
 # %%
 facts.show("deepspeed.gradient_clipping_default", "accelerate.yaml_clip_zero_dropped", "deepspeed.zero3_swaps_linear",
@@ -142,12 +136,12 @@ fig.tight_layout()
 # %% [markdown]
 # **What it means.** The curves lie on top of each other and the difference is zero at
 # every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
-# (bf16 module, fp32 master partitions) do the same arithmetic.
-# <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes --> The cell below checks
+# (bf16 module, fp32 master partitions) do the same arithmetic. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
+# The cell below checks
 # this, so the claim fails loudly if it ever stops being true. (Measured on the CPU with
 # gloo. On a GPU the cell checks that the losses agree closely, unless the jobs ran with
-# `--deterministic` on at most 2 GPUs (beyond 2, nccl may sum in another order
-# <!-- fact: torch.nccl_sum_order -->); written for, not yet run on, GPUs: `nb.bitwise_parity_expected`.)
+# `--deterministic` on at most 2 GPUs (beyond 2, nccl may sum in another
+# order); written for, not yet run on, GPUs: `nb.bitwise_parity_expected`.) <!-- fact: torch.nccl_sum_order -->
 
 # %%
 facts.show("accelerate.fsdp2_bf16_fp32_shards", "deepspeed.zero3_bf16_dtypes")

@@ -74,8 +74,7 @@ pd.DataFrame(mapping.mapping_rows()).set_index("mode")
 # The memory model (ZeRO paper) for Adam in bf16 mixed precision: per parameter, **2**
 # bytes of bf16 weights + **2** of bf16 gradients + **12** of optimizer state (an fp32
 # master copy, and fp32 momentum and variance) = 16 bytes. <!-- fact: deepspeed.bf16_default_dtypes --> Each stage shards more of it over
-# the ranks: ZeRO-1 the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too
-# <!-- fact: deepspeed.zero_stage_partitions -->
+# the ranks: ZeRO-1 the optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too <!-- fact: deepspeed.zero_stage_partitions -->
 # (measured just before the step, as below, ZeRO-1 and ZeRO-2 hold the same: see why further
 # down). <!-- fact: deepspeed.zero1_reduces_at_boundary --> That is DeepSpeed's split; FSDP's aligned mode (Accelerate's) holds
 # the same 16 bytes as 4 of fp32 weights, 4 of fp32 gradients and 8 of moments, with no
@@ -99,8 +98,7 @@ print(f"{len(plan)} jobs")
 # %% [markdown]
 # Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a
 # CPU machine with fewer cores they share cores: slow, but each rank holds what a 4-GPU
-# job's rank would (the sharding arithmetic is the same; not run on GPUs here).
-# <!-- fact: torch.shard_sizes_device_independent -->
+# job's rank would (the sharding arithmetic is the same; not run on GPUs here). <!-- fact: torch.shard_sizes_device_independent -->
 
 # %% language="bash"
 # set -o pipefail
@@ -142,8 +140,8 @@ claim("every (run, rank, category) but ZeRO-1/2's gradients is within 1% of the 
 
 # %% [markdown]
 # **ZeRO-1/2 gradients.** DeepSpeed's stage-1/2 optimizer flattens each optimizer param group
-# (here one: all parameters) into one buffer and gives each rank a contiguous slice of it.
-# <!-- fact: deepspeed.zero12_flat_buffer_per_group --> A parameter that straddles a slice edge
+# (here one: all parameters) into one buffer and gives each rank a contiguous slice of it. <!-- fact: deepspeed.zero12_flat_buffer_per_group -->
+# A parameter that straddles a slice edge
 # belongs to each rank it touches, and (with the default bf16 gradient buffer) each keeps that
 # parameter's *whole* gradient until the step. <!-- fact: deepspeed.zero12_straddler_whole_grad --> So a rank holds its 1/N of the gradients plus the rest of the (at most two)
 # parameters that straddle its slice's edges: more when parameters are few and large. The
@@ -225,14 +223,13 @@ if "zero2" in sweep_modes:  # the model at 2 ranks: (2 + 2/2 + 12/2) / 16 = 9/16
 #
 # * **FSDP** (aligned mixed precision, as Accelerate sets it up) upcasts the model to
 #   fp32 and shards *that*. The fp32 shard is what the optimizer updates, so there is no
-#   separate master copy; the bf16 weights exist only while a unit is gathered.
-#   <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_reshard_after_forward -->
+#   separate master copy; the bf16 weights exist only while a unit is gathered. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_reshard_after_forward -->
 # * **DeepSpeed** keeps the model in bf16 and shards the bf16 weights and gradients, and
 #   keeps a separate **fp32 master** partition for the optimizer. <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
 # Both pay the upcast (the seeds' "up to 2x" for parameters): FSDP in its fp32 params and
-# gradients, DeepSpeed in its fp32 master copy (its params and gradients stay bf16).
-# <!-- fact: deepspeed.zero3_bf16_dtypes --> At rest the totals are equal.
+# gradients, DeepSpeed in its fp32 master copy (its params and gradients stay bf16). <!-- fact: deepspeed.zero3_bf16_dtypes -->
+# At rest the totals are equal.
 
 # %%
 ws = 2
@@ -258,12 +255,10 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
 # * **ZeRO-1 vs ZeRO-2.** DeepSpeed's ZeRO-1 reduces gradients into per-rank partitions
 #   once backward is over (at the accumulation boundary), so just before the step it holds
 #   the same as ZeRO-2. During backward (and across accumulation micro-batches) ZeRO-1 holds
-#   the *full* gradient; ZeRO-2 reduces bucket by bucket as backward runs.
-#   <!-- fact: deepspeed.zero1_reduces_at_boundary -->
+#   the *full* gradient; ZeRO-2 reduces bucket by bucket as backward runs. <!-- fact: deepspeed.zero1_reduces_at_boundary -->
 # * **SHARD_GRAD_OP vs FULL_SHARD.** Identical at rest. The difference is in between:
 #   SHARD_GRAD_OP keeps each unit's gathered weights from forward until its backward
-#   (no second all-gather), FULL_SHARD frees them and gathers again
-#   <!-- fact: torch.fsdp2_reshard_after_forward -->; notebook 08 counts it
+#   (no second all-gather), FULL_SHARD frees them and gathers again; notebook 08 counts it <!-- fact: torch.fsdp2_reshard_after_forward -->
 #   per rank (`peak_tensor_bytes`), with the batch it costs. (The process peaks at the end of
 #   this notebook do not isolate it: they hold everything a process holds.)
 #
@@ -364,8 +359,7 @@ recap = (mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum() / 
 recap
 
 # %% [markdown]
-# * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3
-#   <!-- fact: torch.fsdp_sharding_strategies -->,
+# * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3, <!-- fact: torch.fsdp_sharding_strategies -->
 #   `HYBRID_SHARD` ~ ZeRO++ hpZ (alike in spirit: both gather weights within a node, HYBRID_SHARD
 #   by replicating across nodes, hpZ (in backward) from a second, intra-node shard; not in bytes:
 #   the recap table) <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard -->;
@@ -379,8 +373,7 @@ recap
 #   byte, the 1/N slice plus the rest of the parameters straddling its edges.
 # * Fully sharded state at 4 ranks is a quarter of 1 rank's.
 # * FULL_SHARD (aligned) and ZeRO-3 hold the same total but split it differently: fp32
-#   shards and gradients vs bf16 shards and gradients + fp32 master.
-#   <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
+#   shards and gradients vs bf16 shards and gradients + fp32 master. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
 # Next: `02_precision` — why the seeds' FSDP run stalled when it trained without that fp32
 # copy (bf16 weights and optimizer state), and what each fix costs.

@@ -23,8 +23,9 @@ and fp32 fingerprint alike: the dtype is recorded next to it.
 Rank 0 writes ``DIR/tensor_trace.jsonl``, one line per step:
 ``{"step": 0, "params": {"model.layers.0.self_attn.q_proj.weight": {"weight": ["1f..", "fp32"],
 "grad_local": [..], "grad_reduced": [..], "update": ["..", "fp32", changed]}, ...}}``.
-``python -m helpers.compare`` reads it. Supported: every FSDP mode, DeepSpeed ZeRO-3 (not with the
-optimizer on NVMe); not with ``--compile`` (see ``check``).
+``python -m helpers.compare`` reads it. Supported: every FSDP mode (CPU offload too: the step's one
+all-reduce runs on the process group's device, helpers.comm), DeepSpeed ZeRO-3 (not with the optimizer
+on NVMe); not with ``--compile`` (see ``check``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .compare import STAGES
 from .compare import TRACE_FILE as FILE
 from .models import clean_fqn
@@ -129,10 +131,9 @@ class TensorTracer:
         """Add every rank's shards (one all-reduce) and write the step (rank 0)."""
         fp, changed = self.fp, self.changed
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dev = next(self.engine.module.parameters()).device
-            flat = torch.cat([fp.reshape(-1), changed]).to(dev)
-            dist.all_reduce(flat)
-            flat = flat.cpu()
+            # on the process group's device, not the parameters': FSDP2's CPU offload keeps the shards on the
+            # host, and nccl serves no CPU tensor (helpers.comm places the sums where the group serves them)
+            flat = comm.all_reduce(torch.cat([fp.reshape(-1), changed]))
             fp, changed = flat[:fp.numel()].reshape(fp.shape), flat[fp.numel():]
         if self.file is None:
             return

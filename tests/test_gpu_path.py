@@ -167,3 +167,20 @@ def test_checkpoint_dir_that_another_node_cannot_see_is_named(world1, tmp_path, 
     monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: None)  # as if rank 0 made it on its own node
     with pytest.raises(CheckpointError, match=r"\.step_2\.tmp is not visible on rank 0 .*every node shares"):
         save(None, None, str(tmp_path / "ckpt"), 2, {})
+
+
+def test_tensor_trace_sums_host_shards_on_the_group_device(world1, monkeypatch):
+    # FSDP2 CPU offload: every shard (and so the step's fingerprints) lives on the host; the step's one
+    # all-reduce must still hand nccl a device tensor (the parameters' device is the CPU there)
+    from helpers.tensor_trace import TensorTracer
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # "2 ranks": the tracer reduces
+    tracer = TensorTracer("unused", rank=1, world_size=2)  # rank 1 writes nothing
+    tracer.names, tracer.engine = ["w"], SimpleNamespace(module=torch.nn.Linear(2, 1, bias=False))
+    tracer.on_step_begin(0)
+    tracer._add(0, "weight", torch.ones(2), 0)
+    want = tracer.fp.clone()
+    with comm.CollectiveCheck(simulate_accelerator=True) as check:
+        tracer.on_step_end(0)
+    assert [c[0] for c in check.calls] == ["all_reduce"] and all(c[3] for c in check.calls)
+    assert torch.equal(tracer.fp, want)  # one rank's sum: unchanged

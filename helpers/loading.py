@@ -8,7 +8,8 @@ Which way follows the launch config, with Accelerate's keys:
                 true``) every rank builds the model on the *meta* device (shapes, no memory),
                 shards it, allocates only its shard (``to_empty``); rank 0 alone reads the
                 file, and ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``
-                sends each rank its part.
+                sends each rank its part. With ``fsdp_offload_params`` the shards are
+                allocated on the host, where FSDP2's CPU offload keeps them.
 ``zero3_init``  (DeepSpeed ``zero3_init_flag: true``, ZeRO-3) transformers sees a live
                 ``HfDeepSpeedConfig`` and builds the model inside ``deepspeed.zero.Init``:
                 each parameter is partitioned the moment it is created, then filled from
@@ -124,12 +125,23 @@ def meta_model(spec, dtype):
     return model
 
 
-def fsdp_fill(engine, spec, dtype, device) -> None:
-    """After fully_shard on the meta model: allocate the shards, rank 0 reads, broadcast, fix RoPE."""
+def fsdp_fill(engine, spec, dtype, device, offload: bool = False) -> None:
+    """After fully_shard on the meta model: allocate the shards, rank 0 reads, broadcast, fix RoPE.
+
+    ``offload`` (``fsdp_offload_params``): FSDP2 keeps the shards on the host and refuses, at the first
+    forward, shards materialised anywhere else ("FSDP parameters should be materialized on CPU when
+    enabling CPU offloading"), so they are allocated on the CPU (FSDP2 pins them at its lazy init) and
+    only the buffers (RoPE's) go to ``device``, where forward runs.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = engine.model
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if offload else device)
+    if offload:
+        for m in model.modules():
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device)
     full = {}
     if dist.get_rank() == 0:
         full = from_pretrained(spec.path, dtype).state_dict()

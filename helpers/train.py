@@ -357,7 +357,7 @@ def wrap(s: JobState) -> None:
     if s.load_method == "fsdp_ram_efficient":
         from .loading import fsdp_fill
 
-        fsdp_fill(s.engine, s.spec, s.model_dtype, s.device)
+        fsdp_fill(s.engine, s.spec, s.model_dtype, s.device, offload=s.job.fsdp.offload_params)
 
 
 def restore(s: JobState) -> None:

@@ -184,3 +184,23 @@ def test_tensor_trace_sums_host_shards_on_the_group_device(world1, monkeypatch):
         tracer.on_step_end(0)
     assert [c[0] for c in check.calls] == ["all_reduce"] and all(c[3] for c in check.calls)
     assert torch.equal(tracer.fp, want)  # one rank's sum: unchanged
+
+
+def test_ram_efficient_loading_under_offload_fills_host_shards(world1, tmp_path):
+    # fsdp_cpu_ram_efficient_loading + fsdp_offload_params on a GPU: the shards must be materialised on the
+    # host (FSDP2's lazy init refuses others); "meta" stands in for the GPU the job computes on
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from helpers.models import resolve_model
+
+    loading.save_preset("tiny", str(tmp_path), seed=3)
+    spec = resolve_model(str(tmp_path))
+    model = loading.meta_model(spec, torch.float32)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    engine = SimpleNamespace(model=model, module=model)
+    loading.fsdp_fill(engine, spec, torch.float32, torch.device("meta"), offload=True)
+    assert {p.to_local().device.type for p in model.parameters()} == {"cpu"}
+    assert {b.device.type for b in model.buffers()} == {"meta"}  # RoPE's buffers where forward runs
+    model._get_fsdp_state()._lazy_init()  # FSDP2's own check of CPU-offloaded shards passes
+    assert loading.weights_match(engine, spec, torch.float32)

@@ -107,6 +107,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "peak_tensor_bytes after step 1 (helpers.tensor_peak)")
     ap.add_argument("--track-updates", action="store_true", help="updated_fraction per step in metrics.jsonl "
                     "(helpers.precision.UpdateTracker: copies every shard each step; null without it)")
+    ap.add_argument("--deterministic", action="store_true", help="on a GPU: torch.use_deterministic_algorithms"
+                    "(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8, so a rerun, a resume or the aligned pair can be bit "
+                    "for bit (SDPA's flash and memory-efficient backward then take their deterministic paths); "
+                    "costs speed (slower attention and embedding backward) and a little memory (cuBLAS workspaces); "
+                    "on a CPU the guide's ops are deterministic already and it changes nothing")
     return ap.parse_args(argv)
 
 
@@ -281,7 +286,13 @@ def start(s: JobState) -> None:
 
     if torch.cuda.is_available():
         s.device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        if s.args.deterministic:  # before the first cuBLAS handle, which reads the workspace setting
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)  # strict: SDPA then picks deterministic backward kernels
         torch.cuda.set_device(s.device)
+    elif s.args.deterministic:
+        s.job.notes.append("--deterministic: nothing to change on a CPU (the guide's CPU ops give the same bits "
+                           "run to run)")
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         s.device = torch.device("cpu")
@@ -395,9 +406,12 @@ def train_loop(s: JobState) -> None:
         s.probe = None
         obs.on_step_begin(s, step)
         lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
+        # the step's one all-reduce is timed too: it carries FSDP's gradient-norm sum (without clipping), which
+        # DeepSpeed reduces inside its own step, so both backends' step times count the same work (--track-updates'
+        # counts are built here too: a run that tracks updates is not a throughput run)
         with Timer(s.device) as timer:
             loss = engine.train_step(batches, s.probe)
-        sums = sum_over_ranks({"loss": loss, **engine.step_sums(), **obs.step_sums(s)}, s.device)
+            sums = sum_over_ranks({"loss": loss, **engine.step_sums(), **obs.step_sums(s)}, s.device)
         row = {"step": step, "loss": sums["loss"] / s.world_size, "grad_norm": engine.grad_norm(sums), "lr": lr,
                "step_time_s": timer.seconds, "tokens_per_s": s.tokens_per_rank_step / timer.seconds,
                **obs.step_row(s, sums), "elapsed_s": time.perf_counter() - T0}
@@ -466,6 +480,7 @@ def base_summary(s: JobState) -> dict:
         "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
         "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
         "activation_checkpointing": None, "memory_budget_bytes": None, "memory_budget_fits": None,
+        "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
     }
 
 

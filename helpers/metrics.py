@@ -109,6 +109,8 @@ SUMMARY_KEYS = {
                            "limit, on a CPU compared with peak_tensor_bytes after the probe step",
     "memory_budget_fits": "true: every rank's peak stayed within memory_budget_bytes; false: the job stopped "
                           "because one did not (status failed, reason says which rank); null: no budget",
+    "deterministic": "true: a GPU job ran with --deterministic (torch.use_deterministic_algorithms, "
+                     "CUBLAS_WORKSPACE_CONFIG); false otherwise, and always on a CPU, where it changes nothing",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
                                 "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
                                 "gradient_checkpointing (2 blocks)\" (helpers.recompute)",

@@ -483,7 +483,7 @@ def main(argv=None) -> int:
     c = Ctx(out, gpu, torch.cuda.device_count() if gpu else 0, args.job_timeout or (240 if gpu else 420))
     t0 = time.perf_counter()
     c.meta = {"device": torch.cuda.get_device_name(0) if gpu else "cpu (dry run)", "versions": versions(gpu),
-              "job_timeout_s": c.job_timeout, "checks": names + [a for v in ALSO.values() for a in v]}
+              "job_timeout_s": c.job_timeout, "checks": [n for name in names for n in (name, *ALSO.get(name, []))]}
     print(f"gpu_check: {c.meta['device']}, {c.meta['versions']}, out {out}", flush=True)
     for name, fn, cpu_ok in CHECKS:
         also = ALSO.get(name, [])

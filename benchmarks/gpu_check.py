@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -99,13 +100,17 @@ def job(out: Path, config: str, *extra: str, nproc: int = 1, timeout: float = 24
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "helpers.train", "--config", config, "--out", str(out), *extra, "--timeout", f"{timeout:g}"]
     t0 = time.perf_counter()
+    # its own session: a job that outlives its watchdog is killed with every rank torchrun started (killing
+    # torchrun alone would leave its ranks holding the GPU for the next check)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout + GRACE_S)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:
+        stdout, stderr = proc.communicate(timeout=timeout + GRACE_S)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
         code = None
-        stdout, stderr = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                          for x in (e.stdout, e.stderr))
         stderr += (f"\nkilled by gpu_check after {timeout + GRACE_S:g} s (the job's --timeout {timeout:g} s "
                    "did not end it)")
     print(f"    job {out.name}: exit {code} in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -290,12 +290,12 @@ def start(s: JobState) -> None:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)  # strict: SDPA then picks deterministic backward kernels
         torch.cuda.set_device(s.device)
-    elif s.args.deterministic:
-        s.job.notes.append("--deterministic: nothing to change on a CPU (the guide's CPU ops give the same bits "
-                           "run to run)")
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         s.device = torch.device("cpu")
+        if s.args.deterministic:
+            s.job.notes.append("--deterministic: nothing to change on a CPU (the guide's CPU ops give the same "
+                               "bits run to run)")
     from .observers import default_observers
 
     s.observers = default_observers(s)

@@ -23,19 +23,19 @@ def gc():
 
 
 def test_a_hung_job_is_a_failed_row_not_a_lost_table(gc, tmp_path, monkeypatch):
-    seen = {}
-
-    def hang(cmd, timeout, **kw):
-        seen["job_timeout"], seen["limit"] = float(cmd[cmd.index("--timeout") + 1]), timeout
-        raise subprocess.TimeoutExpired(cmd, timeout, output=b"step 0\n", stderr=b"")
-
-    monkeypatch.setattr(gc.subprocess, "run", hang)
-    c = gc.Ctx(tmp_path, gpu=False, gpus=0, job_timeout=30)
+    # a "job" that ignores its --timeout and never ends: killed with its whole session after the grace
+    fake = tmp_path / "hang.py"
+    fake.write_text("import sys, time\nprint(sys.argv[sys.argv.index('--timeout') + 1], flush=True)\n"
+                    "time.sleep(600)\n")
+    real = gc.subprocess.Popen
+    monkeypatch.setattr(gc.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, str(fake), *cmd[3:]], **kw))
+    monkeypatch.setattr(gc, "GRACE_S", 1)
+    c = gc.Ctx(tmp_path, gpu=False, gpus=0, job_timeout=1)
     gc.memory_budget(c)
-    assert seen["job_timeout"] == 30 and seen["limit"] > seen["job_timeout"]  # the job's watchdog fires first
     row = json.loads((tmp_path / "gpu_check.json").read_text())["rows"][0]
     assert row["check"] == "memory budget" and row["result"] == "FAIL" and "timed out" in row["detail"]
-    assert "killed by gpu_check after 90 s" in c.runs["budget_oom"]["stderr_tail"]
+    assert "killed by gpu_check after 2 s (the job's --timeout 1 s" in c.runs["budget_oom"]["stderr_tail"]
+    assert (tmp_path / "budget_oom.log").read_text().startswith("1\n")  # the job was given its own --timeout
 
 
 def test_dry_run_lists_every_check_and_runs_the_selected(gc, tmp_path, monkeypatch):

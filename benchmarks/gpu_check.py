@@ -346,7 +346,7 @@ def largest_preset(c: Ctx) -> str:
     free = torch.cuda.mem_get_info()[0]
     for preset in ("medium", "small", "tiny"):
         e = run(argparse.Namespace(config=str(REPO / FSDP), model=preset, world_size=1, budget_gib=None,
-                                   **THROUGHPUT_SHAPE))
+                                   device="cuda", **THROUGHPUT_SHAPE))
         if max(e["peak_bytes_per_rank"]) < 0.8 * free:
             return preset
     return "tiny"
@@ -393,7 +393,8 @@ def estimator(c: Ctx) -> None:
         if not s or not ok_job(s) or not s.get(key):
             continue
         e = run(argparse.Namespace(config=str(REPO / cfg), model=model, world_size=1, budget_gib=None,
-                                   micro_batch=int(shape[1]), seq_len=int(shape[3])))
+                                   micro_batch=int(shape[1]), seq_len=int(shape[3]),
+                                   device="cuda" if c.gpu else "cpu"))
         pred, meas = max(e["peak_bytes_per_rank"]), max(s[key])
         err = (pred - meas) / meas
         worst = max(worst, abs(err), key=abs)

@@ -36,7 +36,7 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     copied twice, in the gradient dtype: DeepSpeed interleaves every rank's slices into one new flat
     tensor (``reduce_scatter_coalesced``, a ``torch.cat``), and gloo's reduce-scatter clones its input
     (both alive at the peak of ``medium`` on 4 ranks, 414.5 MiB each, ``benchmarks/peak_alive.py``; nccl
-    reduces from the input, where the second copy over-counts).
+    reduces from the input, so with ``--device cuda`` only the first copy counts: read, not run here).
 ``master_grads``  DeepSpeed ZeRO-0 under bf16: the fp32 master's gradients (4 bytes per param), counted
     at the optimizer step only (measured: the start of backward does not hold them; with them there,
     every ZeRO-0 row of ``benchmarks/estimate_grid.py`` was over-predicted by exactly their size).
@@ -313,8 +313,12 @@ def checkpointing(job) -> bool:
     return requested(job)
 
 
-def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: int) -> dict:
-    """The per-rank estimate as one JSON-ready dict (``peak_bytes_per_rank`` and the categories)."""
+def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: int, device: str = "cpu") -> dict:
+    """The per-rank estimate as one JSON-ready dict (``peak_bytes_per_rank`` and the categories).
+
+    ``device``: "cpu" (gloo) or "cuda" (nccl): nccl reduce-scatters from its input, so ZeRO-3's reduce-scatter
+    copies count once there (DeepSpeed's interleaving ``torch.cat``), twice under gloo, which clones the input.
+    """
     key, c = mapping.mode_key(job), compute_bytes(job)
     zo = _zero(job)
     acts = activation_bytes(shapes.cfg, micro_batch, seq_len, c)
@@ -341,7 +345,8 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
     held = c * zero3_kept_gathered(job, shapes, world_size)
     rs_copies, largest_param = 0, max(math.prod(s) for s in shapes.params)
     if held:  # ZeRO-3 across ranks: the bucket's reduce-scatter copies (see the module doc)
-        rs_copies = 2 * grad_bytes * min(shapes.numel, int(float(zo.get("reduce_bucket_size", 5e8))))
+        copies = 1 if device == "cuda" else 2
+        rs_copies = copies * grad_bytes * min(shapes.numel, int(float(zo.get("reduce_bucket_size", 5e8))))
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
              "gathered_at_backward": held, "reduce_scatter_copies": rs_copies,
              "optimizer_step": step_temp, "comm_buckets": buckets, "master_grads": master_grads,
@@ -388,10 +393,11 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
             "categories_per_rank": ranks, "peak_bytes_per_rank": peaks}
 
 
-def largest_micro_batch(job, shapes: Shapes, world_size: int, seq_len: int, budget: float) -> int:
+def largest_micro_batch(job, shapes: Shapes, world_size: int, seq_len: int, budget: float,
+                        device: str = "cpu") -> int:
     """The largest micro-batch whose predicted peak fits ``budget`` bytes on every rank (0: not even 1)."""
     def fits(b):
-        return max(estimate(job, shapes, world_size, b, seq_len)["peak_bytes_per_rank"]) <= budget
+        return max(estimate(job, shapes, world_size, b, seq_len, device)["peak_bytes_per_rank"]) <= budget
 
     if not fits(1):
         return 0
@@ -433,6 +439,8 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=_positive(int), help="tokens per sequence")
     ap.add_argument("--budget-gib", type=_positive(float), help="device memory per rank: verdict and the "
                     "largest micro-batch that fits")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the job runs: cpu (gloo, the "
+                    "default) or cuda (nccl: one reduce-scatter copy fewer under ZeRO-3)")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return ap.parse_args(argv)
 
@@ -452,11 +460,12 @@ def run(args) -> dict:
         job.deepspeed.json = resolved["deepspeed"]["json"]
     t = job.train
     out = {"config": args.config, "model": t.model, **estimate(job, shapes, args.world_size, t.micro_batch,
-                                                               t.seq_len)}
+                                                               t.seq_len, getattr(args, "device", "cpu"))}
     if args.budget_gib:
         budget = args.budget_gib * GIB
         out.update(budget_gib=args.budget_gib, fits=max(out["peak_bytes_per_rank"]) <= budget,
-                   largest_micro_batch=largest_micro_batch(job, shapes, args.world_size, t.seq_len, budget))
+                   largest_micro_batch=largest_micro_batch(job, shapes, args.world_size, t.seq_len, budget,
+                                                             getattr(args, "device", "cpu")))
     return out
 
 

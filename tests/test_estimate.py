@@ -19,9 +19,9 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def args(config=FS, model="tiny", world_size=2, micro_batch=None, seq_len=None, budget_gib=None):
+def args(config=FS, model="tiny", world_size=2, micro_batch=None, seq_len=None, budget_gib=None, device="cpu"):
     return Namespace(config=str(REPO / config), model=model, world_size=world_size, micro_batch=micro_batch,
-                     seq_len=seq_len, budget_gib=budget_gib, json=True)
+                     seq_len=seq_len, budget_gib=budget_gib, json=True, device=device)
 
 
 @pytest.mark.parametrize("extra, names", [
@@ -146,6 +146,9 @@ def test_zero3_across_ranks_holds_forwards_gathered_params_and_two_reduce_scatte
     row, numel = two["categories_per_rank"][0], two["num_params"]
     assert one["gathered_at_backward"] == one["reduce_scatter_copies"] == 0
     assert row["reduce_scatter_copies"] == 2 * 2 * numel  # bf16, the default 5e8-element bucket holds it all
+    cuda = est.run(args(z3, "small", world_size=2, micro_batch=2, seq_len=64, device="cuda"))
+    assert cuda["categories_per_rank"][0]["reduce_scatter_copies"] == 2 * numel  # nccl makes no input clone
+    assert max(two["peak_bytes_per_rank"]) - max(cuda["peak_bytes_per_rank"]) <= 2 * numel
     assert 0.99 * 2 * numel <= row["gathered_at_backward"] < 2 * numel  # all but the small (persistent) norms
     fsdp = est.run(args(FS, "small", world_size=2, micro_batch=2, seq_len=64))["categories_per_rank"][0]
     assert fsdp["gathered_at_backward"] == fsdp["reduce_scatter_copies"] == 0

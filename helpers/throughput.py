@@ -48,8 +48,10 @@ if TYPE_CHECKING:  # torch is imported where it is used: train.py's argument par
 # None where the sheet gives none we trust). First match wins, so the specific names come before the general
 # ones. fp32 matters: torch runs fp32 matmuls in true fp32 by default (TF32 off), about 15x below bf16 on an
 # H100. Extend it, or pass --peak-tflops.
-GPU_PEAK_TFLOPS: list[tuple[str, float, float | None]] = [
+GPU_PEAK_TFLOPS: list[tuple[str, float | None, float | None]] = [
+    (r"\bMIG\b", None, None),  # a MIG slice ("NVIDIA H200 MIG 3g.71gb") has a fraction of the SMs: pass --peak-tflops
     (r"\bGH200\b", 989.0, 67.0),
+    (r"\bH200\b.*\bNVL\b", 835.0, 60.0),  # the PCIe card: lower clocks and power than the SXM module
     (r"\bH200\b", 989.0, 67.0),
     (r"\bH100\b.*\bPCIe\b", 756.0, 51.0),
     (r"\bH100\b.*\bNVL\b", 835.0, 60.0),
@@ -97,7 +99,7 @@ def gpu_peak(name: str, dtype: str = "bf16") -> float | None:
     "tf32": half the bf16 tensor-core peak), or None if unknown."""
     for pattern, bf16, fp32 in GPU_PEAK_TFLOPS:
         if re.search(pattern, name):
-            tflops = {"bf16": bf16, "fp32": fp32, "tf32": bf16 / 2}[dtype]
+            tflops = {"bf16": bf16, "fp32": fp32, "tf32": bf16 / 2 if bf16 else None}[dtype]
             return tflops * 1e12 if tflops else None
     return None
 

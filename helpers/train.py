@@ -182,6 +182,7 @@ class JobState:
     resume_state: dict | None = None  # DeepSpeed --resume: state read before the backend
     start_step: int = 0
     probe: object = None  # helpers.memory.StepProbe for the step about to run, or None
+    in_loop: bool = False  # the train loop has started (an out-of-memory before it is the set-up's)
 
     @property
     def use_cuda(self) -> bool:
@@ -393,6 +394,7 @@ def train_loop(s: JobState) -> None:
     from .models import synthetic_batch
 
     t, obs, engine = s.job.train, s.observers, s.engine
+    s.in_loop = True
     vocab = s.model.config.vocab_size
     s.run.log(f"model {t.model}: {s.summary['num_params'] / 1e6:.2f}M params; "
               f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
@@ -428,8 +430,10 @@ def budget_verdict(s: JobState, e: BaseException) -> BaseException:
     if s.args.memory_budget_gib and isinstance(e, torch.cuda.OutOfMemoryError):
         from .guard import JobStop
 
-        return JobStop(f"out of memory under --memory-budget-gib {s.args.memory_budget_gib:g} at step "
-                       f"{s.start_step + len(s.records)} (rank {s.rank})")
+        when = f"at step {s.start_step + len(s.records)}" if s.in_loop else \
+            "during set-up (building, loading or sharding the model, before step 0)"
+        return JobStop(f"out of memory under --memory-budget-gib {s.args.memory_budget_gib:g} {when} "
+                       f"(rank {s.rank})")
     return e
 
 

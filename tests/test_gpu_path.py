@@ -206,3 +206,9 @@ def test_ram_efficient_loading_under_offload_fills_host_shards(world1, tmp_path)
     assert {b.device.type for b in model.buffers()} == {"meta"}  # RoPE's buffers where forward runs
     model._get_fsdp_state()._lazy_init()  # FSDP2's own check of CPU-offloaded shards passes
     assert loading.weights_match(engine, spec, torch.float32)
+
+
+def test_peak_table_tells_h200_nvl_and_mig_slices_apart():
+    assert throughput.gpu_peak("NVIDIA H200") == 989e12 and throughput.gpu_peak("NVIDIA H200 NVL") == 835e12
+    assert throughput.gpu_peak("NVIDIA H200 MIG 3g.71gb") is None  # a slice: --peak-tflops
+    assert throughput.gpu_peak("NVIDIA H100 MIG 1g.10gb", "tf32") is None

@@ -29,9 +29,12 @@ def test_gpu_out_of_memory_becomes_one_line():
 
     from helpers.train import budget_verdict
 
-    s = SimpleNamespace(args=Namespace(memory_budget_gib=0.5), start_step=0, records=[{}, {}], rank=1)
+    s = SimpleNamespace(args=Namespace(memory_budget_gib=0.5), start_step=0, records=[{}, {}], rank=1, in_loop=True)
     stop = budget_verdict(s, torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate ..."))
     assert isinstance(stop, JobStop) and str(stop) == "out of memory under --memory-budget-gib 0.5 at step 2 (rank 1)"
+    setup = SimpleNamespace(args=s.args, start_step=0, records=[], rank=0, in_loop=False)  # apply_fsdp's upcast
+    assert "during set-up (building, loading or sharding the model, before step 0) (rank 0)" in \
+        str(budget_verdict(setup, torch.cuda.OutOfMemoryError("CUDA out of memory.")))
     other = RuntimeError("x")
     assert budget_verdict(s, other) is other  # only an out-of-memory is the budget's answer
     s.args.memory_budget_gib = None

@@ -33,6 +33,7 @@ from .compat import normalize_fsdp_config
 Backend = Literal["fsdp", "deepspeed"]
 Precision = Literal["no", "bf16"]
 ModelDtype = Literal["auto", "bf16", "fp32"]
+OptimizerImpl = Literal["for-loop", "foreach", "fused"]
 Sharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 
 
@@ -62,6 +63,9 @@ class TrainOptions:
     # `from_pretrained(..., dtype=bfloat16)`; fp32 for DeepSpeed with bf16 disabled.
     model_dtype: ModelDtype = "auto"
     compile: bool = False  # torch.compile each transformer block (FSDP2) / the engine (DeepSpeed)
+    # How torch's AdamW steps, on both backends: "for-loop" (foreach=False) is the parity mode (FSDP and
+    # ZeRO give the same bits); "foreach"/"fused" launch fewer kernels, for fair throughput runs on a GPU.
+    optimizer_impl: OptimizerImpl = "for-loop"
 
 
 @dataclass
@@ -629,8 +633,30 @@ def load_job_config(path: str, overrides: dict | None = None, world_size: int | 
     if world_size is not None and world_size < 1:
         c.fail(f"world size {world_size}: must be >= 1")
     job.train.model_dtype = resolve_model_dtype(c, job)
+    job.notes += optimizer_impl_notes(job)
     job.unapplied = c.unapplied
     return job
+
+
+def adamw_kwargs(t: TrainOptions) -> dict:
+    """The torch AdamW both backends step: lr, weight decay and --optimizer-impl (for-loop, foreach, fused)."""
+    return dict(lr=t.lr, weight_decay=t.weight_decay, foreach=t.optimizer_impl == "foreach",
+                fused=t.optimizer_impl == "fused")
+
+
+def optimizer_impl_notes(job: JobConfig) -> list[str]:
+    """What --optimizer-impl does here, when it is not the parity mode (for-loop)."""
+    impl = job.train.optimizer_impl
+    if job.backend == "deepspeed" and "optimizer" in job.deepspeed.json:
+        if impl == "for-loop":
+            return []
+        return [f"--optimizer-impl {impl}: no effect, the DeepSpeed config's optimizer section builds the "
+                "optimizer (torch's own foreach/fused default then applies)"]
+    if impl == "for-loop":
+        return []
+    return [f"--optimizer-impl {impl}: AdamW steps with {impl}=True, for throughput; FSDP and DeepSpeed then "
+            "group the update differently (per parameter tensor vs flat partitions), so bit-identical losses "
+            "across backends are not promised (the parity mode is for-loop, the default)"]
 
 
 def resolve_model_dtype(c: _Checker, job: JobConfig) -> Literal["bf16", "fp32"]:
@@ -655,7 +681,8 @@ def _train_options(c: _Checker, overrides: dict) -> TrainOptions:
     t = TrainOptions()
     rules = {"model": str, "steps": int, "lr": float, "seed": int, "micro_batch": int,
              "seq_len": int, "grad_accum": int, "grad_clip": float, "weight_decay": float, "timeout": float,
-             "model_dtype": ["auto", "bf16", "fp32"], "compile": bool}
+             "model_dtype": ["auto", "bf16", "fp32"], "compile": bool,
+             "optimizer_impl": ["for-loop", "foreach", "fused"]}
     for k, v in overrides.items():
         if v is None:
             continue

@@ -111,6 +111,9 @@ SUMMARY_KEYS = {
                           "because one did not (status failed, reason says which rank); null: no budget",
     "deterministic": "true: a GPU job ran with --deterministic (torch.use_deterministic_algorithms, "
                      "CUBLAS_WORKSPACE_CONFIG); false otherwise, and always on a CPU, where it changes nothing",
+    "optimizer_impl": "how the optimizer stepped, read from it: for-loop (the default, --optimizer-impl; the "
+                      "mode FSDP/DeepSpeed parity holds in), foreach or fused (fewer kernels, for throughput; "
+                      "parity not promised), torch-default (a DeepSpeed JSON optimizer: torch picks), null",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
                                 "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
                                 "gradient_checkpointing (2 blocks)\" (helpers.recompute)",

@@ -92,6 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "DeepSpeed without bf16), bf16, fp32")
     ap.add_argument("--peak-tflops", type=PEAK_TFLOPS, help="the device's peak TFLOPS for MFU (default: "
                     "a table of GPUs; measured on a CPU), see helpers.throughput")
+    ap.add_argument("--optimizer-impl", help="how AdamW steps on both backends: for-loop (default; the parity "
+                    "mode, FSDP and DeepSpeed give the same bits), foreach or fused (fewer kernels, for fair "
+                    "throughput on a GPU; parity not promised)")
     ap.add_argument("--compile", action="store_true", default=None,
                     help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler trace per rank of a few steps "
@@ -156,7 +159,7 @@ def versions() -> dict:
 
 
 OVERRIDES = ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip", "timeout",
-             "model_dtype", "compile")  # the flags that override the launch config (helpers.config)
+             "model_dtype", "compile", "optimizer_impl")  # the flags that override the launch config (helpers.config)
 
 
 @dataclass
@@ -365,6 +368,7 @@ def wrap(s: JobState) -> None:
         s.resume_state = before_backend(s.model, s.resume_meta, s.args.resume)
     s.engine = apply_backend(s.model, s.job, s.device)
     s.summary["activation_checkpointing"] = s.engine.activation_checkpointing  # helpers.recompute
+    s.summary["optimizer_impl"] = optimizer_impl(s.engine.optimizer)
     s.run.log(f"activation checkpointing: {s.engine.activation_checkpointing or 'off (every activation is kept)'}")
     if s.load_method == "fsdp_ram_efficient":
         from .loading import fsdp_fill
@@ -483,7 +487,8 @@ def base_summary(s: JobState) -> dict:
         "tokens_per_step": s.tokens_per_rank_step * s.world_size,
         "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
         "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
-        "activation_checkpointing": None, "memory_budget_bytes": None, "memory_budget_fits": None,
+        "activation_checkpointing": None, "optimizer_impl": None, "memory_budget_bytes": None,
+        "memory_budget_fits": None,
         "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
     }
 
@@ -569,6 +574,20 @@ def mode_name(job) -> str:
     if job.backend == "fsdp":
         return job.fsdp.sharding
     return f"ZeRO-{job.deepspeed.zero_stage}"
+
+
+def optimizer_impl(optimizer) -> str | None:
+    """How the optimizer the job steps runs, read from it: for-loop, foreach, fused, torch-default (foreach
+    and fused left unset: torch picks) or null (not a torch optimizer with those options)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds the torch optimizer
+    group = inner.param_groups[0] if getattr(inner, "param_groups", None) else {}
+    if "fused" not in group and "foreach" not in group:
+        return None
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach") is None:
+        return "torch-default"
+    return "foreach" if group["foreach"] else "for-loop"
 
 
 def apply_backend(model, job, device):

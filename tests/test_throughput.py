@@ -5,10 +5,12 @@ import statistics
 
 import pytest
 import torch
-from conftest import FSDP, run_job, summary
+from conftest import FSDP, ZERO3, run_job, summary
 
 from helpers import models, progress, throughput
+from helpers.config import ConfigError, TrainOptions, adamw_kwargs, load_job_config
 from helpers.metrics import WARMUP_STEPS
+from helpers.train import optimizer_impl
 
 
 def hand_count(vocab, h, inter, layers, heads, seq, tied=False):
@@ -100,3 +102,38 @@ def test_progress_lines_when_captured(monkeypatch, capsys):
     assert "\r" not in err and len(lines) == 4, err  # one plain line per redraw (0/3 first: no delay), no duplicate
     assert lines[-1].startswith("train: 100%") and "3/3" in lines[-1]
     assert "loss 0.5000, 1,234 tok/s/rank" in lines[-1]
+
+
+@pytest.mark.parametrize("config", [FSDP, ZERO3])
+def test_optimizer_impl_fused_reaches_both_backends(tmp_path, config):
+    """--optimizer-impl fused steps torch's fused AdamW (CPU kernels exist in torch 2.13) on FSDP's DTensors and
+    on ZeRO's flat partitions; the summary reads it back from the optimizer, the log says parity is off."""
+    out = tmp_path / "run"
+    proc = run_job(config, out, 0, "--model", "tiny", "--steps", "2", "--optimizer-impl", "fused", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = summary(out)
+    assert s["optimizer_impl"] == "fused" and s["status"] == "completed"
+    assert "note: --optimizer-impl fused: AdamW steps with fused=True" in (out / "log.txt").read_text()
+
+
+def test_optimizer_impl_kwargs_and_refusal():
+    t = TrainOptions()
+    assert adamw_kwargs(t) == dict(lr=t.lr, weight_decay=t.weight_decay, foreach=False, fused=False)
+    t.optimizer_impl = "foreach"
+    assert adamw_kwargs(t)["foreach"] is True and adamw_kwargs(t)["fused"] is False
+    assert optimizer_impl(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], **adamw_kwargs(t))) == "foreach"
+    job = load_job_config(FSDP, {"optimizer_impl": "for-loop"})
+    assert not [n for n in job.notes if "--optimizer-impl" in n]  # the parity mode says nothing
+    with pytest.raises(ConfigError, match=r"--optimizer-impl = 'fast': allowed values are for-loop, foreach, fused"):
+        load_job_config(FSDP, {"optimizer_impl": "fast"})
+
+
+def test_optimizer_impl_with_a_json_optimizer_is_a_note(tmp_path):
+    js = tmp_path / "ds.json"
+    js.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}, "gradient_clipping": 0,
+                              "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    cfg = tmp_path / "ds.yaml"
+    cfg.write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: {js}\n")
+    job = load_job_config(str(cfg), {"optimizer_impl": "foreach"})
+    assert [n for n in job.notes if n.startswith("--optimizer-impl foreach: no effect, the DeepSpeed config's "
+                                                  "optimizer section builds the optimizer")]

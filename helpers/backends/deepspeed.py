@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from .. import recompute
-from ..config import JobConfig
+from ..config import JobConfig, adamw_kwargs
 
 
 def resolved_ds_config(job: JobConfig, world_size: int, hidden_size: int | None = None,
@@ -119,9 +119,7 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=ds_config)
     else:
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
-        )
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(job.train))  # --optimizer-impl
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if job.train.compile:
         engine.compile()  # torch.compile of the wrapped module, ZeRO's hooks kept outside the graph

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import (
 )
 
 from .. import comm, recompute
-from ..config import JobConfig
+from ..config import JobConfig, adamw_kwargs
 from ..models import decoder_layers
 from ..wrap import forward_order, plan
 
@@ -80,9 +80,7 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
     fully_shard(model, **kw)
     inner = [mods[0] for _, mods in forward_order(model, steps)]  # a list-unit's state is on its first module
     set_prefetch(model, inner, o)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay, foreach=False
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(job.train))  # --optimizer-impl
     engine = FSDPEngine(model, optimizer, mesh, job.train.grad_clip)
     engine.activation_checkpointing = checkpointing
     return engine

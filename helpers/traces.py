@@ -2,10 +2,12 @@
 
 ``events(run)``  one row per interval: rank, lane (``comm`` / ``compute``), name, start and end in
                  ms from the start of the first profiled step (ranks share one host clock).
-``phases(run)``  the ``guide::forward`` / ``guide::backward`` / ``guide::optimizer_step`` spans.
+``phases(run)``  the ``guide::forward`` / ``guide::backward`` / ``guide::optimizer_step`` spans (as the
+                 host ran them; Kineto's GPU-side copies, ``gpu_user_annotation``, are left out).
 ``collectives(run)``  count and bytes of all-gathers, reduce-scatters and all-reduces per step
                  and rank, read from the collective calls themselves (``c10d::*``, on every thread).
-``peak_allocated(run)``  per rank, the most bytes the allocator held during the profiled steps.
+``peak_allocated(run)``  per rank, the most bytes the allocator held during the profiled steps (one
+                 device: the compute device, or the one asked for).
 
 What counts as what (on CPU, gloo):
   * communication: ``gloo:*`` events on gloo's own threads (``pt_gloo_runloop``), the time the
@@ -134,8 +136,8 @@ def phases(run) -> pd.DataFrame:
     for r in ranks(run):
         tr = raw_trace(run, r)
         steps = _steps(tr)
-        for e in tr["traceEvents"]:
-            if e.get("ph") == "X" and e["name"] in PHASES:
+        for e in tr["traceEvents"]:  # the host's spans only: Kineto copies annotations to the GPU's lanes
+            if e.get("ph") == "X" and e["name"] in PHASES and e.get("cat") != "gpu_user_annotation":
                 step = _step_of(e["ts"], steps)
                 if step is not None:
                     rows.append({"rank": r, "phase": e["name"].split("::")[1], "step": step,
@@ -189,13 +191,26 @@ def collectives(run, rank: int = 0) -> pd.DataFrame:
     return pd.DataFrame(out, index=pd.Index(steps, name="step"))
 
 
-def peak_allocated(run) -> list[int]:
-    """Per rank: the most bytes the allocator held during the profiled steps (``[memory]`` events)."""
+DEVICE_TYPES = {"cpu": 0, "cuda": 1}  # a [memory] event's args["Device Type"]: c10::DeviceType's number
+
+
+def peak_allocated(run, device: str | None = None) -> list[int]:
+    """Per rank: the most bytes ``device``'s allocator held during the profiled steps (``[memory]`` events).
+
+    The profiler records host and GPU allocations alike, each ``Total Allocated`` is its own allocator's
+    running total, so one device is counted at a time: ``"cpu"`` or ``"cuda"``; ``None`` (default) is the
+    job's compute device, cuda when the trace holds GPU memory events, else cpu (under offload the host's
+    bytes are then left out, ask for ``"cpu"`` to see them)."""
+    if device is not None and device not in DEVICE_TYPES:
+        raise ValueError(f"device = {device!r}: allowed values are {', '.join(DEVICE_TYPES)} or None "
+                         "(the job's compute device)")
     out = []
     for r in ranks(run):
-        tr = raw_trace(run, r)
-        mem = [e["args"].get("Total Allocated", 0) for e in tr["traceEvents"] if e.get("name") == "[memory]"]
-        out.append(int(max(mem, default=0)))
+        mem = [e["args"] for e in raw_trace(run, r)["traceEvents"] if e.get("name") == "[memory]"]
+        cuda = any(a.get("Device Type", 0) == DEVICE_TYPES["cuda"] for a in mem)
+        want = DEVICE_TYPES[device or ("cuda" if cuda else "cpu")]
+        out.append(int(max((a.get("Total Allocated", 0) for a in mem if a.get("Device Type", 0) == want),
+                           default=0)))
     return out
 
 
@@ -232,7 +247,7 @@ def annotation_start(run, name: str, step: int | None = None, rank: int = 0) -> 
     steps = _steps(tr)
     step = int(steps[0]["name"].split("#")[1]) if step is None else step
     hits = [e["ts"] for e in tr["traceEvents"] if e.get("ph") == "X" and e["name"] == name
-            and _step_of(e["ts"], steps) == step]
+            and e.get("cat") != "gpu_user_annotation" and _step_of(e["ts"], steps) == step]
     if not hits:
         raise KeyError(f"{name!r}: no such event in step {step} of rank {rank}")
     return (min(hits) - t0) / 1e3

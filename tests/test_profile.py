@@ -193,3 +193,37 @@ def test_units_are_the_ones_accelerate_makes(path, monkeypatch):
         assert [c for c in theirs if c not in ours] == [("model.layers", True), ("model.norm", False)]
         theirs = [c for c in theirs if c in ours]
     assert theirs == ours
+
+
+def _synthetic_run(tmp_path):
+    """A one-rank trace as Kineto writes it on a GPU job under offload: a step, the guide's forward annotation on
+    the host and its GPU-side copy, and [memory] events of both allocators (Device Type 0 cpu, 1 cuda)."""
+    import json
+
+    def mem(ts, dev, total):
+        return {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1, "ts": ts,
+                "args": {"Total Allocated": total, "Device Type": dev, "Device Id": 0 if dev else -1}}
+
+    span = {"ph": "X", "name": "guide::forward", "pid": 1, "tid": 1, "ts": 10, "dur": 50}
+    events = [{"ph": "X", "name": "ProfilerStep#3", "pid": 1, "tid": 1, "ts": 0, "dur": 100},
+              {**span, "cat": "user_annotation"},
+              {**span, "cat": "gpu_user_annotation", "pid": 0, "tid": 7, "ts": 20, "dur": 60},
+              mem(11, 0, 9_000), mem(12, 1, 4_000), mem(13, 1, 5_000), mem(14, 0, 8_000)]
+    (tmp_path / "trace_rank0.json").write_text(json.dumps({"traceEvents": events}))
+    return tmp_path
+
+
+def test_peak_allocated_counts_one_device(tmp_path):
+    run = _synthetic_run(tmp_path)
+    assert traces.peak_allocated(run) == [5_000]  # the compute device (cuda here), not the host's 9,000
+    assert traces.peak_allocated(run, "cuda") == [5_000]
+    assert traces.peak_allocated(run, "cpu") == [9_000]
+    with pytest.raises(ValueError, match=r"device = 'gpu': allowed values are cpu, cuda or None"):
+        traces.peak_allocated(run, "gpu")
+
+
+def test_phases_count_the_hosts_annotations_only(tmp_path):
+    run = _synthetic_run(tmp_path)
+    ph = traces.phases(run)
+    assert list(ph.phase) == ["forward"] and ph.start_ms.tolist() == [0.01] and ph.end_ms.tolist() == [0.06]
+    assert traces.annotation_start(run, "guide::forward") == 0.01

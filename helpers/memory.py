@@ -26,7 +26,7 @@ phase; plain RSS would also count memory-mapped files) or, on GPU,
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -98,16 +98,24 @@ def rss_anon_bytes() -> int:
     return 0
 
 
+SIDE_MARK = "guide::outside_training"  # a span the CPU tensor-peak profiler leaves out (helpers.tensor_peak)
+
+
 class PeakMemory:
     """Peak memory of training: max_memory_allocated on GPU, else RssAnon sampled at each phase.
 
     Call ``end_setup()`` once the model is built, sharded and loaded: on a GPU the model goes to the
     device whole and is upcast there before it is sharded, so without a reset the allocator's peak would be
     that load, not training (and hide what offload saves). ``setup_peak`` keeps the set-up's peak.
+
+    Work between steps that is not training (a checkpoint save) runs inside ``outside_training()``: its
+    peak goes to ``save_peak``, not ``peak`` (GPU: the allocator's peak is folded into ``peak`` and reset
+    around it; CPU: RssAnon is sampled before and after it, and the span is marked for the tensor-peak
+    profiler). This object is the only one that resets the GPU allocator's peak during training.
     """
 
     def __init__(self, device: torch.device):
-        self.device, self.peak, self.setup_peak = device, 0, None
+        self.device, self.peak, self.setup_peak, self.save_peak = device, 0, None, None
         self.source = "cuda.max_memory_allocated" if device.type == "cuda" else "RssAnon (sampled per phase)"
 
     def end_setup(self) -> None:
@@ -121,9 +129,26 @@ class PeakMemory:
 
     def sample(self, *_args) -> None:
         if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
         else:
             self.peak = max(self.peak, rss_anon_bytes())
+
+    @contextmanager
+    def outside_training(self):
+        """A window whose peak is ``save_peak`` (max over windows), left out of ``peak``."""
+        self.sample()  # training so far
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            with torch.profiler.record_function(SIDE_MARK):
+                yield
+        finally:
+            if self.device.type == "cuda":
+                now = torch.cuda.max_memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)  # training's peak starts again from what is alive
+            else:
+                now = rss_anon_bytes()  # at the window's end: a lower bound of its peak
+            self.save_peak = max(self.save_peak or 0, now)
 
 
 class SavedActivations:

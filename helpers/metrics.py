@@ -94,7 +94,13 @@ SUMMARY_KEYS = {
                          "hold, {params, optimizer} (0 without NVMe): RAM the swapped state passes "
                          "through, not in memory_bytes (helpers.offload.swap_buffer_bytes)",
     "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.mapping)",
-    "peak_memory_bytes": "per rank (list): peak memory of training, after set-up (see peak_memory_source)",
+    "peak_memory_bytes": "per rank (list): peak memory of training, after set-up, checkpoint saves left out "
+                         "(see peak_memory_source, save_peak_memory_bytes)",
+    "save_peak_memory_bytes": "per rank (list): peak memory of the checkpoint saves (the one after the last step "
+                              "included), left out of peak_memory_bytes and peak_tensor_bytes: on GPU "
+                              "cuda.max_memory_allocated during the saves, on CPU RssAnon at each save's end "
+                              "(a lower bound; RssAnon a save leaves behind still shows in later samples); "
+                              "null without saves",
     "setup_peak_memory_bytes": "per rank (list): peak memory of the set-up (build, load, shard); on CPU the "
                                "RssAnon when training starts",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",

@@ -114,9 +114,11 @@ class Observers(Observer):
 def default_observers(s: JobState) -> Observers:
     """The guide's measurements, in the order their hooks run (and their log lines appear)."""
     traces = [TensorTraces()] if s.args.trace_tensors else []
-    peak = TensorPeak()
-    return Observers([Throughput(), Loading(), Memory(), peak, MemoryBudget(peak, s.args.memory_budget_gib), Dtypes(),
-                      Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(), Checkpoints()])
+    memory = Memory()
+    peak = TensorPeak(memory)
+    return Observers([Throughput(), Loading(), memory, peak, MemoryBudget(peak, s.args.memory_budget_gib), Dtypes(),
+                      Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(),
+                      Checkpoints(memory)])
 
 
 # ---------------------------------------------------------------------------------------------- the measurements
@@ -222,8 +224,10 @@ class Memory(Observer):
             self.keys["swap_buffer_bytes"] = gather(swap_buffer_bytes(s.engine))
 
     def on_train_end(self, s):
+        self.peak.sample()  # the last step's peak (a save after it was sampled apart, save_peak)
         self.keys["peak_memory_bytes"] = gather(self.peak.peak)
         self.keys["setup_peak_memory_bytes"] = gather(self.peak.setup_peak)
+        self.keys["save_peak_memory_bytes"] = gather(self.peak.save_peak)
 
     def summary(self, s):
         return self.keys
@@ -247,10 +251,12 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
 
 
 class TensorPeak(Observer):
-    """``peak_tensor_bytes`` per rank: the peak of the rank's own tensors over the first steps (helpers.tensor_peak)."""
+    """``peak_tensor_bytes`` per rank: the peak of the rank's own tensors over the first steps (helpers.tensor_peak).
+    On a GPU it reads ``memory``'s allocator peak (which leaves checkpoint saves out), taken as the first step
+    begins."""
 
-    def __init__(self):
-        self.cpu, self.peak, self.keys = None, None, {}
+    def __init__(self, memory: Memory):
+        self.memory, self.cpu, self.peak, self.keys = memory, None, None, {}
 
     def on_load_begin(self, s):
         if s.use_cuda:
@@ -263,21 +269,15 @@ class TensorPeak(Observer):
         self.cpu = CpuTensorPeak()
         self.cpu.start()  # before the model exists: the running total is every tensor of the job
 
-    def on_train_begin(self, s):
-        import torch
-
-        if s.use_cuda:
-            torch.cuda.reset_peak_memory_stats(s.device)
-        elif self.cpu:
+    def on_train_begin(self, s):  # after Memory's: the GPU allocator's peak was reset there (end_setup)
+        if self.cpu:
             self.cpu.mark()
 
     def on_step_end(self, s, step, row):
         if step != s.probe_step:
             return
-        import torch
-
         if s.use_cuda:
-            self.peak = torch.cuda.max_memory_allocated(s.device)
+            self.peak = self.memory.peak.peak  # sampled at this step's end (Memory runs first)
         elif self.cpu:
             self.peak = self.cpu.stop()
         self.gather(s)  # here, so that MemoryBudget can compare every rank's peak with the budget
@@ -432,6 +432,9 @@ class TensorTraces(Observer):
         from .tensor_trace import TensorTracer
 
         self.tracer = TensorTracer(s.args.out, s.rank, s.world_size)
+        s.run.log("note: --trace-tensors: the training peaks (peak_memory_bytes, peak_tensor_bytes) include the "
+                  "tracer's copy of every weight shard, held across each optimizer step, and its fingerprint "
+                  "temporaries; measure peaks without it")
         self.tracer.on_train_begin(s.engine)
 
     def on_step_begin(self, s, step):
@@ -447,8 +450,8 @@ class TensorTraces(Observer):
 class Checkpoints(Observer):
     """``--checkpoint-dir`` / ``--checkpoint-every``: saves during the loop (helpers.checkpoint)."""
 
-    def __init__(self):
-        self.saved: list[dict] = []
+    def __init__(self, memory: Memory):
+        self.memory, self.saved = memory, []
 
     def on_train_begin(self, s):
         from .checkpoint import param_shapes
@@ -461,8 +464,9 @@ class Checkpoints(Observer):
         if self.every and (step + 1) % self.every == 0:
             from .checkpoint import save
 
-            saved = save(s.engine, s.job, s.args.checkpoint_dir, step + 1, self.extra,
-                         fault_hook=lambda k: s.guard.fault_hook(k, "save"))
+            with self.memory.peak.outside_training():  # save_peak_memory_bytes, not the training peak
+                saved = save(s.engine, s.job, s.args.checkpoint_dir, step + 1, self.extra,
+                             fault_hook=lambda k: s.guard.fault_hook(k, "save"))
             self.saved.append(saved)
             s.run.log(f"saved {saved['path']} ({saved['format']}, {saved['seconds']:.2f} s)")
 

@@ -15,7 +15,11 @@ that for its set-up and steps 0 and 1 only, the warm-up steps the summary's step
 out anyway; reading the events is one pass in Python at that point. ``--profile`` runs torch's
 profiler itself, and one thread holds one profiler: there the key is null and ``log.txt`` says why.
 
-GPU: ``torch.cuda.max_memory_allocated``, reset when the first step begins, read after the probe step.
+GPU: ``torch.cuda.max_memory_allocated``, reset when the first step begins, read after the probe step
+(through helpers.memory.PeakMemory, which folds and resets it around checkpoint saves).
+
+Checkpoint saves are not training: their spans (helpers.memory.SIDE_MARK) are left out on both
+(``save_peak_memory_bytes`` holds their peak).
 """
 
 from __future__ import annotations
@@ -83,13 +87,28 @@ def cpu_allocations(roots) -> tuple[int | None, list[tuple[int, int, object]]]:
     return mark, allocs
 
 
+def _side_spans(roots) -> list[tuple[int, int]]:
+    """(start, end) ns of the spans marked as not training (helpers.memory.SIDE_MARK: checkpoint saves)."""
+    from .memory import SIDE_MARK
+
+    out, stack = [], list(roots)
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.name == SIDE_MARK:
+            out.append((e.start_time_ns, e.end_time_ns))
+    return out
+
+
 def window_peak(roots) -> int | None:
-    """The largest running total of allocated bytes from the mark on (the total at the mark included)."""
+    """The largest running total of allocated bytes from the mark on (the total at the mark included), the
+    totals inside spans marked as not training (a checkpoint save) left out."""
     mark, allocs = cpu_allocations(roots)
     if mark is None:
         return None
+    side = _side_spans(roots)
     before = [total for t, total, _ in allocs if t < mark]
-    during = [total for t, total, _ in allocs if t >= mark]
+    during = [total for t, total, _ in allocs if t >= mark and not any(a <= t <= b for a, b in side)]
     return max([before[-1] if before else 0, *during])
 
 

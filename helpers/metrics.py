@@ -176,7 +176,7 @@ class RunDir:
                     "pick a new path so nothing else is overwritten"
                 )
             for c in old:
-                shutil.rmtree(c) if c.is_dir() else c.unlink()
+                shutil.rmtree(c) if c.is_dir() and not c.is_symlink() else c.unlink()
         p.mkdir(parents=True, exist_ok=True)
         _atomic_write(p / "config.json", json.dumps(config, indent=2, default=str))
         self._metrics = open(p / "metrics.jsonl", "w")

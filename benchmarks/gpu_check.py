@@ -24,7 +24,8 @@ of torch, DeepSpeed, transformers and Accelerate and the GPU. The checks (``CHEC
   setup vs training       peak memory of the set-up and of training, both recorded
   fp32 peak               an fp32 job's MFU uses the fp32 peak (TF32 off); a measured fp32 matmul stays under it
   bf16 throughput         both backends on the largest preset that fits, tokens/s and MFU, next to a measured
-                          bf16 matmul peak
+                          bf16 matmul peak; AdamW fused on both (--optimizer-impl fused: one kernel for FSDP's
+                          many tensors as for ZeRO's few flat partitions)
   estimator               helpers.estimate's peak against the measured one (max_memory_allocated on a GPU,
                           peak_tensor_bytes on a CPU) on a few rows
   memory budget           a budget too small to hold the model: the job stops, and says so, as a result
@@ -358,7 +359,7 @@ def bf16_throughput(c: Ctx) -> None:
     preset = largest_preset(c)
     shape = (["--micro-batch", str(THROUGHPUT_SHAPE["micro_batch"]), "--seq-len", str(THROUGHPUT_SHAPE["seq_len"])]
              if c.gpu else ["--micro-batch", "4", "--seq-len", "64"])
-    steps = ["--steps", "12" if c.gpu else "4"]
+    steps = ["--steps", "12" if c.gpu else "4", "--optimizer-impl", "fused"]  # a fair step on both backends
     c.meta["throughput_preset"] = preset
     runs = {"FSDP": c.job("tput_fsdp", FSDP, "--model", preset, *shape, *steps),
             "ZeRO-3": c.job("tput_zero3", ZERO3, "--model", preset, *shape, *steps)}
@@ -367,13 +368,15 @@ def bf16_throughput(c: Ctx) -> None:
         return c.row("bf16 throughput", False, why(bad[0]))
     measured = matmul_peak(torch.bfloat16)
     table = runs["FSDP"]["peak_flops"]
-    parts = [f"{n}: {s['tokens_per_s_per_rank']:.0f} tokens/s, MFU {s['mfu']}" for n, s in runs.items()]
+    parts = [f"{n}: {s['tokens_per_s_per_rank']:.0f} tokens/s, MFU {s['mfu']}, AdamW {s['optimizer_impl']}"
+             for n, s in runs.items()]
     detail = (f"{preset}, {' x '.join(shape[1::2])}; " + "; ".join(parts)
               + f"; peak {runs['FSDP']['peak_flops_source']} {table / 1e12 if table else None} TFLOPS, "
               f"measured bf16 matmul {measured / 1e12:.1f} TFLOPS")
     if not c.gpu:
         return c.row("bf16 throughput", None, "CPU (plumbing only): " + detail)
-    good = bool(table) and measured <= 1.1 * table and all(s["mfu"] and 0 < s["mfu"] < 1 for s in runs.values())
+    good = bool(table) and measured <= 1.1 * table and all(s["mfu"] and 0 < s["mfu"] < 1 and s["optimizer_impl"]
+                                                           == "fused" for s in runs.values())
     c.row("bf16 throughput", good, detail)
 
 

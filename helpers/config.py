@@ -104,6 +104,7 @@ class DeepSpeedOptions:
     zero3_save_16bit_model: bool = False  # consolidated 16-bit weights on save
     config_file: str | None = None  # deepspeed_config_file, resolved path
     json: dict = field(default_factory=dict)  # the DeepSpeed config ("auto" filled at launch)
+    swap_links: dict = field(default_factory=dict)  # relative nvme_path -> its node-local home (helpers.offload)
 
 
 @dataclass

@@ -44,6 +44,9 @@ built on the meta device (no weights, no downloads). Everything is per rank, in 
     2 x tokens x vocab x 4.
 ``optimizer_step``  the optimizer step's temporaries (``optimizer_temporary``); 0 when the optimizer is
     offloaded (they are on the host then).
+``cublas_workspace``  ``--device cuda``: the cuBLAS workspaces torch allocates through its caching allocator
+    (so ``max_memory_allocated`` counts them) at the first matmul and keeps: one per (cuBLAS handle,
+    stream), two here (``cublas_workspace_bytes``); 0 on cpu.
 ``host`` / ``disk``  state offloaded (FSDP ``fsdp_offload_params``; DeepSpeed ``offload_optimizer`` /
     ``offload_param`` to cpu or nvme): moved out of the device categories.
 
@@ -70,8 +73,8 @@ activations; every unit has been resharded by then (FSDP, ZeRO-3), except under 
 root unit's compute-dtype copy is still alive (measured).
 
 Left out: the allocator's caching and fragmentation (a GPU's reserved memory sits above this), the
-CUDA context, temporaries of single ops (a matmul's output before it is saved), gloo's and nccl's own
-buffers.
+CUDA context (outside the allocator), temporaries of single ops (a matmul's output before it is saved),
+gloo's and nccl's own buffers.
 
 Activations, per token, with c the compute dtype's bytes (2 under bf16, else the model dtype's), h
 the hidden size, q = heads x head_dim, k = kv_heads x head_dim, i the MLP width, V the vocabulary, a
@@ -313,6 +316,42 @@ def checkpointing(job) -> bool:
     return requested(job)
 
 
+# torch's cuBLAS workspace when CUBLAS_WORKSPACE_CONFIG is unset, read from aten/src/ATen/cuda/CublasHandlePool.cpp
+# (parseChosenWorkspaceSize, pytorch/pytorch 26a39059ec58; the CPU wheel has no CUDA source to read):
+# ":4096:2:16:8 default, 32MiB for Hopper", i.e. 4096 KiB x 2 + 16 KiB x 8 = 8,519,680 bytes, and 4096 KiB x 8 on
+# sm90 (H100/H200, the guide's GPUs). The variable, when set, is ":SIZE_KiB:COUNT" pairs summed (--deterministic
+# sets ":4096:8"). cuBLASLt shares that allocation: torch 2.13's torch/backends/cuda/__init__.py
+# (blas_workspace_size): "When TORCH_CUBLASLT_UNIFIED_WORKSPACE is enabled (the default on open-source CUDA
+# builds), the cuBLASLt workspace is capped at the cuBLAS workspace size and physically reuses the same allocation."
+CUBLAS_DEFAULT = {"sm90": 4096 * 1024 * 8, "other": 4096 * 1024 * 2 + 16 * 1024 * 8}
+# Workspaces are kept per (handle, stream) and handles per thread (CublasHandlePool.cpp's thread-local pool
+# window): the training thread (forward, optimizer step) and autograd's device thread (backward) each get one.
+# Read, not measured here.
+CUBLAS_WORKSPACES = 2
+
+
+def cublas_workspace_bytes(env: str | None = None, sm90: bool = True) -> int:
+    """Bytes of one cuBLAS workspace: ``CUBLAS_WORKSPACE_CONFIG`` (``env``) parsed as torch does, else torch's
+    default for the GPU (``sm90``: Hopper; the estimator assumes it unless the visible GPU says otherwise)."""
+    import re
+
+    pairs = re.findall(r":([0-9]+):([0-9]+)", env or "")
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    return CUBLAS_DEFAULT["sm90" if sm90 else "other"]
+
+
+def _cublas_workspaces() -> int:
+    """What a job on this machine's GPU would hold (CUBLAS_WORKSPACE_CONFIG, the GPU's generation; Hopper when
+    no GPU is visible)."""
+    import os
+
+    import torch
+
+    sm90 = not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0)
+    return CUBLAS_WORKSPACES * cublas_workspace_bytes(os.environ.get("CUBLAS_WORKSPACE_CONFIG"), sm90)
+
+
 def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: int, device: str = "cpu") -> dict:
     """The per-rank estimate as one JSON-ready dict (``peak_bytes_per_rank`` and the categories).
 
@@ -350,7 +389,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
              "gathered_at_backward": held, "reduce_scatter_copies": rs_copies,
              "optimizer_step": step_temp, "comm_buckets": buckets, "master_grads": master_grads,
-             "loss_transient": 8 * tokens_v}
+             "loss_transient": 8 * tokens_v, "cublas_workspace": _cublas_workspaces() if device == "cuda" else 0}
     moved = offloaded(key, job)
     grads_between_steps = stage == 3  # ZeRO-3's gradient partitions are one buffer made at start-up
     used = acts_ckpt if checkpointing(job) else acts
@@ -386,7 +425,7 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         else:
             step = at_rest - gathered + step_temp
             end = at_rest - gathered + c * largest_param + rs_copies if rs_copies else 0
-        peaks.append(max(backward, end, step))
+        peaks.append(max(backward, end, step) + extra["cublas_workspace"])  # allocated at the first matmul, kept
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
             "num_params": shapes.numel, "activation_checkpointing": checkpointing(job),
@@ -503,7 +542,7 @@ def against(row: dict) -> dict:
 def table(e: dict) -> str:
     cats = [*STATE, "comm_buckets", "master_grads", "gathered_unit", "gathered_at_backward", "reduce_scatter_copies",
             "optimizer_step", "activations",
-            "activations_checkpointed", "loss_transient", "host", "disk"]
+            "activations_checkpointed", "loss_transient", "cublas_workspace", "host", "disk"]
     lines = [f"{e['mode_key']}, {e['num_params'] / 1e6:.2f}M params, {e['world_size']} ranks, micro-batch "
              f"{e['micro_batch']} x {e['seq_len']} tokens (MiB per rank)",
              "category                   " + " ".join(f"{'rank ' + str(r):>10}" for r in range(e["world_size"]))]
@@ -516,7 +555,8 @@ def table(e: dict) -> str:
                  f"weights only) + {used} + loss_transient; the end of "
                  f"backward, under FSDP state + the largest unit's gathered weights, gradients and reduce-scatter "
                  f"copy, under ZeRO-3 across ranks state + comm_buckets + reduce_scatter_copies + the largest "
-                 f"parameter; and the step, state + comm_buckets + master_grads + optimizer_step: "
+                 f"parameter; and the step, state + comm_buckets + master_grads + optimizer_step; each + "
+                 f"cublas_workspace: "
                  f"python -m helpers.estimate's module doc)")
     if "budget_gib" in e:
         verdict = "fits" if e["fits"] else "does not fit"

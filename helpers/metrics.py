@@ -105,9 +105,9 @@ SUMMARY_KEYS = {
                                "RssAnon when training starts",
     "peak_memory_source": "cuda.max_memory_allocated on GPU; RssAnon sampled per phase on CPU",
     "peak_tensor_bytes": "per rank (list): peak bytes of the rank's own tensors from the first step through "
-                         "step 1, set-up excluded; on CPU counted from allocator events (identical jobs can "
-                         "differ by ~10%: buffer lifetimes follow gloo's threads; null with --profile; "
-                         "helpers.tensor_peak)",
+                         "step 1, set-up and checkpoint saves excluded; on CPU counted from allocator events "
+                         "(identical jobs can differ by ~10%: buffer lifetimes follow gloo's threads; null with "
+                         "--profile; helpers.tensor_peak)",
     "peak_tensor_source": "profiler memory events (CPU allocator) on CPU; cuda.max_memory_allocated on GPU",
     "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence (with "
                                    "activation checkpointing: what the checkpointed blocks hold, their inputs)",
@@ -176,7 +176,7 @@ class RunDir:
                     "pick a new path so nothing else is overwritten"
                 )
             for c in old:
-                shutil.rmtree(c) if c.is_dir() else c.unlink()
+                shutil.rmtree(c) if c.is_dir() and not c.is_symlink() else c.unlink()
         p.mkdir(parents=True, exist_ok=True)
         _atomic_write(p / "config.json", json.dumps(config, indent=2, default=str))
         self._metrics = open(p / "metrics.jsonl", "w")

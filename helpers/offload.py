@@ -23,13 +23,17 @@ backend's own bookkeeping: the tensors it put in its offload path are "host". Th
 *where* each backend puts what, not a saving (see notebooks/03_offload).
 
 Also here: ``prepare(job, out)`` (before any rank starts) gives each run its own swap
-directory, refuses NVMe offload without libaio and builds DeepSpeed's async I/O op on its
+directory on the node's own disk (a relative ``nvme_path``: under the system temp dir, linked from the
+run directory by ``link_swap_dirs``), refuses NVMe offload without libaio and builds DeepSpeed's async I/O op on its
 first use (``build_aio``), and ``aio_status()`` says whether that op can be used and is built.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -198,9 +202,20 @@ def totals(locations: dict) -> dict[str, int]:
 # --------------------------------------------------------------------------- before the job
 
 
-def prepare(job, out: str) -> list[str]:
-    """Give a relative nvme_path a home inside the run directory; refuse NVMe without libaio.
+def local_swap_dir(out: str, path: str) -> Path:
+    """The node-local home of a relative nvme_path: under the system temp dir, one per user and run directory
+    (two jobs never share an --out, see helpers.guard); DeepSpeed keeps each rank's files in its own rank{r}."""
+    key = hashlib.sha1(str(Path(out).resolve()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"fsdp-deepspeed-guide-{os.getuid()}" / "nvme_swap" / key / path
 
+
+def prepare(job, out: str, local_rank: int = 0) -> list[str]:
+    """Give a relative nvme_path a home on this node's own disk; refuse NVMe without libaio.
+
+    A path inside --out would put the swap files wherever the run directory is: on a cluster, a shared
+    (network) filesystem, which every node then swaps through. The node's first rank (``local_rank`` 0)
+    removes what an earlier run into the same --out left there. ``job.deepspeed.swap_links`` remembers
+    each relative path and its home, for ``link_swap_dirs``.
     Raises helpers.config.ConfigError (one line) before any rank starts. Returns notes for log.txt.
     """
     from .config import ConfigError
@@ -218,8 +233,14 @@ def prepare(job, out: str) -> list[str]:
             raise ConfigError(f"{job.source}: zero_optimization.{what}.device = nvme needs an nvme_path "
                               "(a directory on a local drive)")
         if not os.path.isabs(path):
-            sec["nvme_path"] = str(Path(out).resolve() / path)
-            notes.append(f"{what}.nvme_path {path!r} is relative: swapping to {sec['nvme_path']}")
+            home = local_swap_dir(out, path)
+            if local_rank == 0 and path not in job.deepspeed.swap_links and home.exists():
+                shutil.rmtree(home)  # an earlier run into this --out: its swap files
+            sec["nvme_path"] = str(home)
+            job.deepspeed.swap_links[path] = str(home)
+            notes.append(f"{what}.nvme_path {path!r} is relative: swapping to {home} on each node's own disk "
+                         f"(the system temp dir, not --out, which may be a shared filesystem); {path} in the run "
+                         "directory links there on rank 0's node; the next run into this --out removes the files")
     if notes:
         ok, why = aio_status()
         if not ok:
@@ -229,6 +250,15 @@ def prepare(job, out: str) -> list[str]:
     return notes
 
 
+
+
+def link_swap_dirs(job, out: str) -> None:
+    """Rank 0, once the run directory exists: ``out/<relative nvme_path>`` links to its node-local home."""
+    for path, home in (job.deepspeed.swap_links if job.deepspeed else {}).items():
+        link = Path(out) / path
+        if not link.exists() and not link.is_symlink():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(home, target_is_directory=True)
 
 
 def _aio_builder():

@@ -263,7 +263,7 @@ def validate(args: argparse.Namespace) -> JobState:
             model_config(spec)  # a config.json that transformers cannot read is bad input too
         from .offload import prepare
 
-        job.notes += prepare(job, args.out)  # NVMe swap dir inside the run; libaio checked
+        job.notes += prepare(job, args.out, _env_int("LOCAL_RANK", 0))  # node-local NVMe swap dir; libaio checked
         job.notes += checkpointing_notes(job, spec)
         resolved, ds_filled = resolve_job(job, world_size)
         check_observers(job, spec, args)  # --profile needs enough steps; the FSDP wrap classes exist
@@ -335,6 +335,10 @@ def connect(s: JobState) -> None:
     device = s.summary["device"]
     s.run.start({**s.resolved, "world_size": s.world_size, "device": device, "dist_backend": s.dist_backend,
                  "out": s.args.out})
+    if s.rank == 0:  # the run directory exists (emptied of an earlier run): link the node-local swap dirs into it
+        from .offload import link_swap_dirs
+
+        link_swap_dirs(job, s.args.out)
     s.run.log(f"[{job.backend}] {s.summary['mode']} mixed_precision={job.mixed_precision} "
               f"world_size={s.world_size} device={device} ({s.dist_backend})")
     from .config import LAUNCHER_ONLY, unapplied_notes

@@ -6,6 +6,7 @@ import sys
 from argparse import Namespace
 
 import pytest
+import torch
 from conftest import REPO, job_env, run_job, summary
 
 from helpers import estimate as est
@@ -175,3 +176,22 @@ def test_persistence_default_is_deepspeeds():
     assert est.persistence_threshold({}) == est.PERSISTENCE_DEFAULT
     assert est.persistence_threshold({"stage3_param_persistence_threshold": "1e4"}) == 10_000
     assert est.is_persistent(100_000, 100_000) and not est.is_persistent(100_001, 100_000)  # "at most", as DeepSpeed
+
+
+def test_cuda_counts_the_cublas_workspaces(monkeypatch):
+    """--device cuda adds torch's cuBLAS workspaces (kept from the first matmul, in max_memory_allocated): two of
+    torch's default size for a Hopper GPU (32 MiB), or of CUBLAS_WORKSPACE_CONFIG's when it is set; cpu none."""
+    assert est.cublas_workspace_bytes(None, sm90=True) == 32 * 2**20
+    assert est.cublas_workspace_bytes(None, sm90=False) == 8 * 2**20 + 128 * 2**10  # ":4096:2:16:8"
+    assert est.cublas_workspace_bytes(":16:8") == 128 * 2**10
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    a = args(FS, "tiny", world_size=2, micro_batch=2, seq_len=64)
+    cpu, cuda = est.run(a), est.run(args(FS, "tiny", world_size=2, micro_batch=2, seq_len=64, device="cuda"))
+    ws = 2 * est.cublas_workspace_bytes(None, sm90=not torch.cuda.is_available()
+                                        or torch.cuda.get_device_capability() == (9, 0))
+    assert cpu["categories_per_rank"][0]["cublas_workspace"] == 0
+    assert cuda["categories_per_rank"][0]["cublas_workspace"] == ws
+    assert [c - p for c, p in zip(cuda["peak_bytes_per_rank"], cpu["peak_bytes_per_rank"], strict=True)] == [ws] * 2
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # a job's own setting is followed
+    small = est.run(args(FS, "tiny", world_size=2, micro_batch=2, seq_len=64, device="cuda"))
+    assert small["categories_per_rank"][0]["cublas_workspace"] == 2 * 128 * 2**10

@@ -5,6 +5,8 @@ the NVMe config is skipped (say why); CI installs it (make setup).
 """
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -130,7 +132,9 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
         assert held["optimizer"] > 0, held
     paths = {cfg["deepspeed"]["json"]["zero_optimization"][k]["nvme_path"]
              for k in ("offload_param", "offload_optimizer")}
-    assert paths == {str((nvme["out"] / "nvme_swap").resolve())}  # relative path: inside the run
+    # relative path: on the node's own disk, linked from the run directory
+    assert paths == {str(offload.local_swap_dir(nvme["out"], "nvme_swap"))}
+    assert (nvme["out"] / "nvme_swap").is_symlink() and (nvme["out"] / "nvme_swap").resolve() == Path(paths.pop())
 
 
 @needs_nvme
@@ -205,3 +209,33 @@ def test_a_param_swap_file_counts_only_while_its_partition_is_on_disk(tmp_path):
     assert offload.swap_file_bytes(cfg, 0, params_on_disk={9})["params"] == 1024
     assert offload.swap_file_bytes(cfg, 0, params_on_disk=set())["params"] == 0
     assert offload.swap_file_bytes(cfg, 1, params_on_disk={7, 9})["params"] == 0  # another rank's files
+
+
+def test_a_relative_nvme_path_swaps_on_the_nodes_own_disk(tmp_path, monkeypatch):
+    """Not under --out (on a cluster a shared filesystem): under the system temp dir, one per run directory, an
+    earlier run's files removed by the node's first rank; the run directory links to it; a note says where."""
+    import tempfile
+
+    monkeypatch.setattr(offload, "aio_status", lambda: (True, ""))
+    monkeypatch.setattr(offload, "build_aio", lambda: [])
+    out = tmp_path / "run"
+    job = load_job_config(str(REPO / CONFIGS["zero3_nvme"]), world_size=2)
+    home = offload.local_swap_dir(str(out), "nvme_swap")
+    (home / "zero_stage_3").mkdir(parents=True)
+    (home / "zero_stage_3" / "old.swp").write_bytes(b"x")  # an earlier run's
+    notes = offload.prepare(job, str(out), local_rank=0)
+    zo = job.deepspeed.json["zero_optimization"]
+    assert zo["offload_param"]["nvme_path"] == zo["offload_optimizer"]["nvme_path"] == str(home)
+    assert home.is_relative_to(tempfile.gettempdir()) and not home.is_relative_to(tmp_path)
+    assert not home.exists()  # cleared
+    assert notes[0].startswith(f"offload_param.nvme_path 'nvme_swap' is relative: swapping to {home} on each "
+                               "node's own disk")
+    assert offload.local_swap_dir(str(tmp_path / "other"), "nvme_swap") != home  # per run directory
+    out.mkdir()
+    offload.link_swap_dirs(job, str(out))
+    assert (out / "nvme_swap").is_symlink() and os.readlink(out / "nvme_swap") == str(home)
+    other = load_job_config(str(REPO / CONFIGS["zero3_nvme"]), world_size=2)
+    home.mkdir(parents=True)
+    offload.prepare(other, str(out), local_rank=1)  # not the node's first rank: leaves the directory alone
+    assert home.exists()
+    shutil.rmtree(home.parent)

@@ -212,3 +212,24 @@ def test_peak_table_tells_h200_nvl_and_mig_slices_apart():
     assert throughput.gpu_peak("NVIDIA H200") == 989e12 and throughput.gpu_peak("NVIDIA H200 NVL") == 835e12
     assert throughput.gpu_peak("NVIDIA H200 MIG 3g.71gb") is None  # a slice: --peak-tflops
     assert throughput.gpu_peak("NVIDIA H100 MIG 1g.10gb", "tf32") is None
+
+
+def test_apply_fsdp_upcasts_where_the_model_is_and_moves_no_whole_model(world1, monkeypatch):
+    # on a GPU the old apply_fsdp moved the whole model to the device and upcast it there (4 bytes a parameter on
+    # every rank before sharding); Accelerate upcasts on the host and fully_shard moves one unit at a time
+    from helpers.backends.fsdp import apply_fsdp
+    from helpers.config import load_job_config
+    from helpers.models import build_model, resolve_model
+
+    model = build_model(resolve_model("tiny"), dtype=torch.bfloat16, seed=0)
+    moved, to = [], torch.nn.Module.to
+
+    def spy(self, *args, **kwargs):
+        if self is model:
+            moved.append((args, kwargs))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", spy)
+    apply_fsdp(model, load_job_config("launch_configs/fsdp/full_shard.yaml"), torch.device("cpu"))
+    assert not moved, moved
+    assert {p.to_local().dtype for p in model.parameters()} == {torch.float32}

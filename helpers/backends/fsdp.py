@@ -58,9 +58,10 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
     mesh = fsdp_mesh(job, world_size, device.type)
     mp_policy = MixedPrecisionPolicy()
     if job.mixed_precision == "bf16":
-        if not next(model.parameters()).is_meta:  # a meta model (RAM-efficient loading) is filled later
-            model.to(device)
-        for p in model.parameters():  # Accelerate's upcast: fp32 shards, bf16 compute
+        # Accelerate's upcast (fp32 shards, bf16 compute), on the host where the model was built, as Accelerate does
+        # it: fully_shard then moves one unit at a time to the device and keeps only its shard there, instead of
+        # the whole fp32 model on every rank's device first (4 bytes a parameter before any sharding)
+        for p in model.parameters():
             p.data = p.data.float()
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     offload: OffloadPolicy = OffloadPolicy()

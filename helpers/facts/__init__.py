@@ -3,7 +3,8 @@
 A sentence about a library (which class runs, a default, what a key does, what a save writes) is a *fact*:
 an id, the sentence as the guide says it, the library and the version it was read from, where in that
 library's source it lives, and a check that returns the evidence (a class name, a default, a warning, the
-files a save writes). Facts live in one module per library (``helpers/facts/deepspeed.py``, ...). A notebook
+files a save writes). Facts live in one folder per library, one module per part of the guide
+(``helpers/facts/deepspeed/precision_offload.py``, ...). A notebook
 prints a fact's evidence next to the sentence that rests on it::
 
     facts.show("deepspeed.zero0_bf16_optimizer")
@@ -37,7 +38,8 @@ from pathlib import Path
 
 LIBRARIES = ("torch", "deepspeed", "accelerate", "transformers", "peft")
 HERE = Path(__file__).resolve().parent
-CACHE = HERE.parent.parent / "build" / "facts"
+REPO = HERE.parent.parent  # the checkout: launch_configs/ and build/ are here
+CACHE = REPO / "build" / "facts"
 
 
 class FactFailed(AssertionError):
@@ -93,8 +95,8 @@ def _add(f: Fact) -> None:
 
 def load() -> dict[str, Fact]:
     """Every registered fact (imports the per-library modules once)."""
-    for p in sorted(HERE.glob("[a-z]*.py")):
-        importlib.import_module(f"{__name__}.{p.stem}")
+    for p in sorted(HERE.glob("*/[a-z]*.py")):  # helpers/facts/<library>/<part of the guide>.py
+        importlib.import_module(f"{__name__}.{p.parent.name}.{p.stem}")
     return REGISTRY
 
 
@@ -127,8 +129,8 @@ def _cache_key() -> str:
     h = hashlib.sha256()
     for lib in LIBRARIES:
         h.update(f"{lib}={version(lib)};".encode())
-    for p in sorted(HERE.glob("*.py")):
-        h.update(p.read_bytes())
+    for p in sorted(HERE.rglob("*.py")):
+        h.update(p.relative_to(HERE).as_posix().encode() + p.read_bytes())
     return h.hexdigest()[:16]
 
 

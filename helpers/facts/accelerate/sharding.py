@@ -1,4 +1,7 @@
-"""Accelerate (1.15.0) facts notebooks 00 and 01 state. Read the module docstring of helpers.facts first."""
+"""Accelerate (1.15.0) facts the guide states about launching (notebook 00) and sharding (01).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,10 @@ import re
 from pathlib import Path
 from unittest import mock
 
-from . import fact
-from ._tools import messages, source_has
+from .. import REPO, fact
+from .._tools import messages, source_has
 
 V = "1.15.0"
-REPO = Path(__file__).resolve().parent.parent.parent
 ZERO3_JSON = str(REPO / "launch_configs/deepspeed/zero3.json")
 
 

@@ -1,11 +1,14 @@
-"""Accelerate (1.15.0) facts notebook 08 (batch size) states. Read the module docstring of helpers.facts first."""
+"""Accelerate (1.15.0) facts the guide states about throughput (07) and memory and batch size (08).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
 import os
 from unittest import mock
 
-from . import fact
+from .. import fact
 
 V = "1.15.0"
 FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",

@@ -1,5 +1,7 @@
-"""DeepSpeed (0.19.8) facts of notebooks 02 (precision) and 03 (offload). Read the module docstring of helpers.facts
-first."""
+"""DeepSpeed (0.19.8) facts the guide states about precision (02) and offload (03).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import os
 from pathlib import Path
 from unittest import mock
 
-from . import fact, gpu_fact
-from ._tools import ds_engine, field_default, linear_stack, messages, resolve, source_has
+from .. import fact, gpu_fact
+from .._tools import ds_engine, field_default, linear_stack, messages, resolve, source_has
 
 V = "0.19.8"
 S3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"

@@ -1,4 +1,7 @@
-"""torch (2.13.0) facts README.md states. Read the module docstring of helpers.facts first."""
+"""torch (2.13.0) facts the guide states about the README and the launch configs' comments.
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import tempfile
 import zipfile
 from unittest import mock
 
-from . import fact, gpu_fact
+from .. import fact, gpu_fact
 
 V = "2.13.0"
 

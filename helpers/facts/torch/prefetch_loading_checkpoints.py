@@ -1,5 +1,7 @@
-"""torch (2.13.0) facts notebooks 04, 05 and 06 state: FSDP2 prefetch, units and hooks, gloo, DCP, state dicts,
-Adam. Read the module docstring of helpers.facts first."""
+"""torch (2.13.0) facts the guide states about prefetch (04), loading (05) and checkpoints (06).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from . import fact, gpu_fact
-from ._tools import fsdp2, linear_stack, messages, resolve, source_has
+from .. import fact, gpu_fact
+from .._tools import fsdp2, linear_stack, messages, resolve, source_has
 
 V = "2.13.0+cpu"
 GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"

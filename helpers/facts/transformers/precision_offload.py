@@ -1,8 +1,11 @@
-"""transformers (5.23.0) facts of notebook 02 (precision). Read helpers.facts' module docstring first."""
+"""transformers (5.23.0) facts the guide states about precision (02) and offload (03).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
-from . import fact
+from .. import fact
 
 V = "5.23.0"
 FAMILY_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox", "starcoder2"]

@@ -1,5 +1,7 @@
-"""DeepSpeed (0.19.8) facts notebooks 04, 05 and 06 state: ZeRO-3 gathers, prefetch and release, zero.Init,
-native checkpoints. Read the module docstring of helpers.facts first."""
+"""DeepSpeed (0.19.8) facts the guide states about prefetch (04), loading (05) and checkpoints (06).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from . import fact
-from ._tools import ds_engine, linear_stack, messages, resolve, source_has
+from .. import fact
+from .._tools import ds_engine, linear_stack, messages, resolve, source_has
 
 V = "0.19.8"
 COORD = "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator"

@@ -1,11 +1,14 @@
-"""torch (2.13.0) facts notebooks 00 and 01 state. Read the module docstring of helpers.facts first."""
+"""torch (2.13.0) facts the guide states about launching (notebook 00) and sharding (01).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
 import inspect
 
-from . import fact, gpu_fact
-from ._tools import fsdp2, linear_stack, source_has
+from .. import fact, gpu_fact
+from .._tools import fsdp2, linear_stack, source_has
 
 V = "2.13.0"
 

@@ -1,12 +1,15 @@
-"""Accelerate (1.15.0) facts of notebooks 02 and 03. Read helpers.facts' module docstring first."""
+"""Accelerate (1.15.0) facts the guide states about precision (02) and offload (03).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
 import os
 from unittest import mock
 
-from . import fact
-from ._tools import source_has
+from .. import fact
+from .._tools import source_has
 
 V = "1.15.0"
 

@@ -1,5 +1,7 @@
-"""torch (2.13.0) facts notebooks 07 (throughput) and 08 (batch size) state. Read the module docstring of
-helpers.facts first."""
+"""torch (2.13.0) facts the guide states about throughput (07) and memory and batch size (08).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import sys
 from collections import Counter
 from unittest import mock
 
-from . import fact, gpu_fact
-from ._tools import fsdp2, linear_stack, source_has
+from .. import fact, gpu_fact
+from .._tools import fsdp2, linear_stack, source_has
 
 V = "2.13.0+cpu"
 

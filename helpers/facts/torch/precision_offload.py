@@ -1,9 +1,12 @@
-"""torch (2.13.0) facts of notebooks 02 (precision) and 03 (offload). Read helpers.facts' module docstring first."""
+"""torch (2.13.0) facts the guide states about precision (02) and offload (03).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
-from . import fact, gpu_fact
-from ._tools import fsdp2, linear_stack, source_has
+from .. import fact, gpu_fact
+from .._tools import fsdp2, linear_stack, source_has
 
 V = "2.13.0"
 FSDP = "torch/distributed/fsdp/_fully_shard/"

@@ -1,4 +1,7 @@
-"""DeepSpeed (0.19.8) facts README.md states. Read the module docstring of helpers.facts first."""
+"""DeepSpeed (0.19.8) facts the guide states about the README and the launch configs' comments.
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import tempfile
 from pathlib import Path
 from unittest import mock
 
-from . import fact, one_rank_group
-from ._tools import ds_engine, source_has
+from .. import fact, one_rank_group
+from .._tools import ds_engine, source_has
 
 V = "0.19.8"
 

@@ -1,8 +1,11 @@
-"""transformers (5.23.0) facts notebooks 00 and 01 state. Read the module docstring of helpers.facts first."""
+"""transformers (5.23.0) facts the guide states about launching (notebook 00) and sharding (01).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
-from . import fact
+from .. import fact
 
 V = "5.23.0"
 

@@ -1,5 +1,7 @@
-"""transformers (5.23.0) facts notebooks 05 and 06 state: save_pretrained / from_pretrained, memory-mapped
-safetensors, loading under ZeRO-3, RoPE buffers. Read the module docstring of helpers.facts first."""
+"""transformers (5.23.0) facts the guide states about prefetch (04), loading (05) and checkpoints (06).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from . import fact
-from ._tools import source_has
+from .. import fact
+from .._tools import source_has
 
 V = "5.23.0"
 

@@ -1,4 +1,7 @@
-"""transformers (5.23.0) facts README.md states. Read the module docstring of helpers.facts first."""
+"""transformers (5.23.0) facts the guide states about the README and the launch configs' comments.
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,8 @@ import os
 import tempfile
 from unittest import mock
 
-from . import fact
-from ._tools import source_has
+from .. import fact
+from .._tools import source_has
 
 V = "5.23.0"
 

@@ -1,5 +1,7 @@
-"""DeepSpeed (0.19.8) facts notebooks 07 (throughput) and 08 (batch size) state. Read the module docstring of
-helpers.facts first."""
+"""DeepSpeed (0.19.8) facts the guide states about throughput (07) and memory and batch size (08).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import functools
 import inspect
 import os
 
-from . import fact
-from ._tools import ds_engine, field_default, resolve, source_has
+from .. import fact
+from .._tools import ds_engine, field_default, resolve, source_has
 
 V = "0.19.8"
 Z3 = "runtime/zero/stage3.py: DeepSpeedZeroOptimizer_Stage3"

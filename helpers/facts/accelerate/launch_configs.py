@@ -1,7 +1,7 @@
-"""Accelerate (1.15.0) facts README.md states. Read the module docstring of helpers.facts first.
+"""Accelerate (1.15.0) facts the guide states about the README and the launch configs' comments.
 
-Most checks construct Accelerate's own plugins (``FullyShardedDataParallelPlugin``, ``DeepSpeedPlugin``) or run
-its functions on a tiny model; environment variables are set with ``mock.patch.dict`` only."""
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
-from . import fact, one_rank_group
-from ._tools import fsdp2, messages, resolve, source_has
+from .. import fact, one_rank_group
+from .._tools import fsdp2, messages, resolve, source_has
 
 V = "1.15.0"
 

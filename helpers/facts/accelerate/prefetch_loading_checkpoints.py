@@ -1,5 +1,7 @@
-"""Accelerate (1.15.0) facts notebooks 04, 05 and 06 state: what the FSDP2 plugin keeps and drops, the units
-fsdp2_prepare_model makes, what save_state writes. Read the module docstring of helpers.facts first."""
+"""Accelerate (1.15.0) facts the guide states about prefetch (04), loading (05) and checkpoints (06).
+
+Read helpers.facts' module docstring first.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ import os
 from types import SimpleNamespace
 from unittest import mock
 
-from . import fact
-from ._tools import messages, source_has
+from .. import fact
+from .._tools import messages, source_has
 
 V = "1.15.0"
 PLUGIN = "accelerate/utils/dataclasses.py: FullyShardedDataParallelPlugin.__post_init__"

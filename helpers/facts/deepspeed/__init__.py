@@ -1,0 +1,1 @@
+"""deepspeed facts, one module per part of the guide (see helpers.facts)."""

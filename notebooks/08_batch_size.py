@@ -51,7 +51,7 @@ import pandas as pd
 import yaml
 
 from helpers import estimate as est
-from helpers import facts, nb, plots, results
+from helpers import nb, plots, results
 from helpers.claims import claim, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the tiny model, shorter timing runs
@@ -87,7 +87,7 @@ print(f"size={SIZE}: model {MODEL}, seq {SEQ}, budget {BUDGET_GIB} GiB per rank,
 # %%
 CFG = RUNS / "08_configs"
 CFG.mkdir(parents=True, exist_ok=True)
-facts.show("deepspeed.activation_checkpointing_section_inert")
+# fact: deepspeed.activation_checkpointing_section_inert
 for name in ("no_shard", "shard_grad_op", "full_shard_offload"):
     doc = yaml.safe_load(Path(f"launch_configs/fsdp/{name}.yaml").read_text())
     doc["fsdp_config"]["fsdp_activation_checkpointing"] = True
@@ -323,7 +323,8 @@ claim("in the estimator's count, at rest ZeRO-3 holds the same state bytes as FU
 # it leaves out of DeepSpeed's bytes.
 
 # %%
-facts.show("torch.fsdp2_default_backward_prefetch", "deepspeed.zero3_reuse_distance")
+# fact: torch.fsdp2_default_backward_prefetch
+# fact: deepspeed.zero3_reuse_distance
 pred = by["predicted"]
 claim("the estimator predicts fewer sequences for ZeRO-3 than for FULL_SHARD, with and without checkpointing",
       all(pred[(DS, ac)] < pred[(FSDP_METHODS[-1], ac)] for ac in ("no", "yes")),
@@ -347,7 +348,7 @@ claim("the estimator predicts fewer sequences for ZeRO-3 than for FULL_SHARD, wi
 # micro-batch 1.
 
 # %%
-facts.show("deepspeed.zero3_bucket_allocated_whole")
+# fact: deepspeed.zero3_bucket_allocated_whole
 fs_best = PLAN[next(n for n, p in PLAN.items() if p[2].endswith("fsdp/full_shard.yaml"))][4]  # predicted
 offload_gpu = [estimate(c, budget=BUDGET_GIB)["largest_micro_batch"] for c in METHODS[OFFLOAD]]  # without, with AC
 zero3 = estimate("launch_configs/deepspeed/zero3.yaml")
@@ -398,7 +399,7 @@ print(f"measured peak (largest rank): ZeRO-3 at micro-batch 1 {max(z3['peak_tens
 # exact: the bytes of every tensor saved for backward, counted once):
 
 # %%
-facts.show("deepspeed.allgather_bucket_no_buffer")
+# fact: deepspeed.allgather_bucket_no_buffer
 acts = {}
 for label in METHODS:
     for ac in (False, True):

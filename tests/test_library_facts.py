@@ -2,7 +2,7 @@
 
 The facts live in helpers/facts/ (one module per library). A fact that stops holding after a version bump
 fails here with its id and its sentence: those are the sentences to rewrite. The building checks run together
-in one subprocess (one-rank gloo group), the reading ones in this process.
+with the reading ones in one subprocess (one-rank gloo group); two tests check reading facts in this process.
 """
 
 import re
@@ -59,7 +59,7 @@ def test_a_changed_library_default_names_the_sentence(monkeypatch):
 
     monkeypatch.setattr(ds_config, "GRADIENT_CLIPPING_DEFAULT", 0.5)
     with pytest.raises(facts.FactFailed, match=r"deepspeed\.gradient_clipping_default .*'DeepSpeed clips gradients"):
-        facts.show("deepspeed.gradient_clipping_default")
+        facts.show("deepspeed.gradient_clipping_default", here=True)
 
 
 def test_a_fact_whose_check_breaks_fails_with_the_error(monkeypatch):
@@ -70,7 +70,7 @@ def test_a_fact_whose_check_breaks_fails_with_the_error(monkeypatch):
         raise AttributeError("module 'deepspeed.runtime.config' has no attribute 'get_gradient_clipping'")
 
     monkeypatch.setitem(facts.REGISTRY, f.id, facts.Fact(f.id, f.says, f.library, f.checked_on, f.where, gone))
-    v = facts.check([f.id])[f.id]
+    v = facts.check([f.id], here=True)[f.id]
     assert v.holds is False and "no attribute" in v.error
 
 

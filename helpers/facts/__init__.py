@@ -14,10 +14,11 @@ with the library, version and source location, and raises ``FactFailed`` naming 
 when the installed library no longer behaves so: after a version bump, ``make test`` (tests/test_library_facts.py)
 lists every sentence to rewrite. A fact that needs a GPU says so and is printed as "not run here".
 
-Checks that only read the library (defaults, signatures, source) run in the calling process. Checks that build
-something (a DeepSpeed engine, an FSDP module, a checkpoint) run together in one subprocess with a one-rank
-gloo group (``python -m helpers.facts --json ID ...``); their verdicts are cached in ``build/facts/`` under a
-key made of the installed versions and these files' text, so a notebook pays for them once per change.
+Checks that only read the library (defaults, signatures, source) and checks that build something (a DeepSpeed
+engine, an FSDP module, a checkpoint: ``runs=True``, with a one-rank gloo group) run together in one subprocess
+(``python -m helpers.facts --json ID ...``), so that no library's warning lands in a notebook's output; their
+verdicts are cached in ``build/facts/`` under a key made of the installed versions and these files' text, so a
+notebook pays for them once per change (``make test`` checks them all first).
 
 ``python -m helpers.facts`` checks every fact and prints one line each (exit 1 when one fails).
 """
@@ -122,7 +123,19 @@ def _run_one(f: Fact) -> Verdict:
         holds, evidence = f.check()
     except Exception as e:  # the library changed under the check: that is the news, said as a failed fact
         return Verdict(f.id, False, {}, ver, f"{type(e).__name__}: {e}")
-    return Verdict(f.id, bool(holds), evidence, ver)
+    return Verdict(f.id, bool(holds), {str(k): _plain(v) for k, v in evidence.items()}, ver)
+
+
+def _plain(v):
+    """Evidence as JSON keeps it (verdicts travel from the checking process and are cached): numbers, text and
+    lists of them as they are, anything else (an enum, a dtype, a class) as its str()."""
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    if isinstance(v, list | tuple):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return str(v)
 
 
 def _cache_key() -> str:
@@ -140,33 +153,41 @@ def _run_in_subprocess(ids: list[str]) -> dict[str, Verdict]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     env.setdefault("PYTHONWARNINGS", "ignore")
     p = subprocess.run([sys.executable, "-m", __name__, "--json", *ids], capture_output=True, text=True,
-                       env=env, cwd=HERE.parent.parent, timeout=600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode not in (0, 1) or not lines:
+                       env=env, cwd=REPO, timeout=600)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith('{"id"')]  # the libraries print too
+    got = {v["id"]: Verdict(**v) for v in map(json.loads, lines)}
+    if p.returncode != 0 or set(got) != set(ids):
         tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"facts: the checking process failed (exit {p.returncode}): " + " | ".join(tail))
-    return {v["id"]: Verdict(**v) for v in map(json.loads, lines)}
+        raise RuntimeError(f"facts: the checking process failed (exit {p.returncode}) after "
+                           f"{len(got)} of {len(ids)} facts: " + " | ".join(tail))
+    return got
 
 
-def check(ids: list[str] | None = None, *, cache: bool = True, refresh: bool = False) -> dict[str, Verdict]:
-    """Verdicts of ``ids`` (every fact when None): reading checks here, building checks in one subprocess.
+def check(ids: list[str] | None = None, *, cache: bool = True, refresh: bool = False,
+          here: bool = False) -> dict[str, Verdict]:
+    """Verdicts of ``ids`` (every fact when None), checked together in one fresh subprocess: it has a one-rank
+    gloo group of its own, and the libraries' warnings and the profiler's messages stay out of the caller's
+    output (a notebook's cells).
 
-    ``cache``: reuse and store the building checks' verdicts (build/facts/, keyed by the installed versions and
-    these files' text); ``refresh``: check them again even when stored."""
+    ``cache``: reuse and store the verdicts (build/facts/, keyed by the installed versions and these files'
+    text); ``refresh``: check them again even when stored; ``here``: check the reading facts in this process
+    (a test that changes a library's attribute first)."""
     facts = load()
     ids = list(facts) if ids is None else list(ids)
     for i in ids:
         _get(i)
-    if "DS_ACCELERATOR" not in os.environ:  # DeepSpeed picks its accelerator on import: the CPU one without a GPU
-        import torch
+    out = {}
+    if here:
+        if "DS_ACCELERATOR" not in os.environ:  # DeepSpeed picks its accelerator on import: the CPU one without a GPU
+            import torch
 
-        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {i: _run_one(facts[i]) for i in ids if not facts[i].runs}
-    built = [i for i in ids if facts[i].runs]
-    if built:
+            os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+        out = {i: _run_one(facts[i]) for i in ids if not facts[i].runs}
+    rest = [i for i in ids if i not in out]
+    if rest:
         path = CACHE / f"{_cache_key()}.json"
         known = json.loads(path.read_text()) if cache and not refresh and path.is_file() else {}
-        todo = [i for i in built if i not in known]
+        todo = [i for i in rest if i not in known]
         if todo:
             fresh = _run_in_subprocess(todo)
             known.update({i: asdict(v) for i, v in fresh.items()})
@@ -176,7 +197,7 @@ def check(ids: list[str] | None = None, *, cache: bool = True, refresh: bool = F
                 with tmp:
                     json.dump(known, tmp)
                 os.replace(tmp.name, path)  # notebooks run side by side: whole files only
-        out.update({i: Verdict(**known[i]) for i in built})
+        out.update({i: Verdict(**known[i]) for i in rest})
     return {i: out[i] for i in ids}
 
 
@@ -193,9 +214,9 @@ def line(f: Fact, v: Verdict) -> str:
     return f"{mark} {f.says}  [{ev or v.error}]  ({src}, {f.where})"
 
 
-def show(*ids: str) -> None:
+def show(*ids: str, here: bool = False) -> None:
     """Print each fact's sentence with its evidence; raise ``FactFailed`` naming every one that fails."""
-    verdicts = check(list(ids))
+    verdicts = check(list(ids), here=here)
     facts = load()
     for i, v in verdicts.items():
         print(line(facts[i], v))

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         if any(facts[i].runs for i in ids):
             one_rank_group()
-        for i in ids:
+        # the reading checks first: a building one can leave a library patched (ZeRO-3 swaps torch's linear)
+        for i in sorted(ids, key=lambda i: facts[i].runs):
             print(json.dumps(asdict(_run_one(facts[i]))), flush=True)
         return 0
     verdicts = check(ids, cache=False)

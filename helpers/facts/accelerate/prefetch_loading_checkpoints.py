@@ -113,12 +113,18 @@ def _sync():
 
 
 @fact("accelerate.ram_efficient_loading_default_off",
-      "Without fsdp_cpu_ram_efficient_loading, Accelerate's FSDP plugin leaves RAM-efficient loading off: every "
-      "rank loads the whole model.",
-      "accelerate", V, PLUGIN)
+      "accelerate launch turns fsdp_cpu_ram_efficient_loading on when a YAML leaves it out (its command-line "
+      "default is true); Accelerate's FSDP plugin built in code, and this guide, leave it off: every rank then "
+      "loads the whole model.",
+      "accelerate", V, "accelerate/commands/launch.py: launch_command_parser (--fsdp_cpu_ram_efficient_loading); "
+      + PLUGIN)
 def _ram_off():
+    from accelerate.commands.launch import launch_command_parser
+
+    launch_default = launch_command_parser().parse_args(["x.py"]).fsdp_cpu_ram_efficient_loading
     p, _ = _plugin({"FSDP_VERSION": "2"})
-    return p.cpu_ram_efficient_loading is False, {"cpu_ram_efficient_loading": p.cpu_ram_efficient_loading}
+    ev = {"accelerate launch default": launch_default, "plugin default": p.cpu_ram_efficient_loading}
+    return str(launch_default).lower() == "true" and p.cpu_ram_efficient_loading is False, ev
 
 
 @fact("accelerate.save_state_no_16bit_file",

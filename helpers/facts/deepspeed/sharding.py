@@ -210,8 +210,9 @@ def _swap_linear():
 
 
 @fact("deepspeed.zero3_linear_rounds_bias",
-      "ZeRO-3's linear computes a matmul and then adds the bias as a second bf16 operation, so a layer with a bias "
-      "rounds differently from torch's linear (without a bias they agree).",
+      "ZeRO-3's linear computes a matmul and then adds the bias as a second bf16 operation for batch x sequence "
+      "(3-D) inputs, so a layer with a bias rounds differently from torch's linear there (without a bias, or for "
+      "2-D inputs, they agree).",
       "deepspeed", V, "runtime/zero/linear.py: LinearFunctionForZeroStage3.forward")
 def _linear_rounding():
     import torch
@@ -223,7 +224,10 @@ def _linear_rounding():
     torch_linear = torch._C._nn.linear  # torch's own, whatever F.linear is now
     with_bias = torch.equal(torch_linear(x, w, b), zero3_linear_wrap(x, w, b))
     without = torch.equal(torch_linear(x, w), zero3_linear_wrap(x, w))
-    return (not with_bias) and without, {"equal with bias": with_bias, "equal without bias": without}
+    flat = x.reshape(-1, 64)
+    two_d = torch.equal(torch_linear(flat, w, b), zero3_linear_wrap(flat, w, b))
+    return (not with_bias) and without and two_d, {"3-D equal with bias": with_bias, "3-D equal without bias": without,
+                                                   "2-D equal with bias": two_d}
 
 
 @fact("deepspeed.ds_accelerator_env",

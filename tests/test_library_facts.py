@@ -33,10 +33,10 @@ def test_fact_holds_on_the_installed_library(fid, verdicts):
 
 
 def _cited() -> dict[str, set[str]]:
-    """Fact ids each notebook source / markdown page cites (facts.show(...), <!-- fact: id --> in markdown, # fact: id in code)."""
+    """Fact ids each notebook source / markdown page / launch config cites (facts.show(...), <!-- fact: id --> in markdown, # fact: id in code)."""
     out = {}
     for p in [*sorted((REPO / "notebooks").glob("[0-9][0-9]_*.py")), REPO / "README.md",
-              *sorted((REPO / "docs").glob("*.md"))]:
+              *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "launch_configs").rglob("*.yaml"))]:
         text = p.read_text()
         ids = {i for args in SHOWN.findall(text) for i in re.findall(r"[\"']([\w.]+)[\"']", args)}
         out[p.relative_to(REPO).as_posix()] = ids | set(CITED.findall(text))

@@ -237,3 +237,13 @@ def _debug():
                         'current_env["ACCELERATE_DEBUG_MODE"] = "true"')
     ok2, _ = source_has("accelerate.utils.operations.verify_operation", "not PartialState().debug")
     return ok1 and ok2, {"launch sets env": ok1, "verify_operation reads debug": ok2}
+
+
+@fact("accelerate.load_state_calls_ds_load_checkpoint",
+      "Under DeepSpeed, Accelerator.load_state hands each model's checkpoint to the engine's own load_checkpoint.",
+      "accelerate", V, "accelerator.py: Accelerator.load_state")
+def _load_state_ds():
+    # a DeepSpeed Accelerator needs a process group and an engine: the fact rests on the pinned code's text
+    return source_has("accelerate.Accelerator.load_state",
+                      "elif self.distributed_type == DistributedType.DEEPSPEED:",
+                      "model.load_checkpoint(input_dir, ckpt_id, **load_model_func_kwargs)")

@@ -9,7 +9,7 @@ import os
 from unittest import mock
 
 from .. import fact
-from .._tools import source_has
+from .._tools import messages, source_has
 
 V = "1.15.0"
 
@@ -95,3 +95,27 @@ def _one_switch():
 def _fill():
     return source_has("accelerate.Accelerator._prepare_deepspeed",
                       'deepspeed_plugin.fill_match( "gradient_accumulation_steps"')
+
+
+@fact("accelerate.offload_swaps_in_cpu_adam",
+      "With offload_optimizer on and zero_force_ds_cpu_optimizer left true, Accelerate replaces a torch optimizer "
+      "with DeepSpeedCPUAdam without a warning, carrying over only lr and weight_decay (betas and eps are dropped).",
+      "accelerate", V, "accelerator.py: Accelerator._prepare_deepspeed; utils/deepspeed.py: "
+      "map_pytorch_optim_to_deepspeed")
+def _cpu_adam_swap():
+    import torch
+    from accelerate.utils.deepspeed import map_pytorch_optim_to_deepspeed
+
+    class FakeCPUAdam:  # the real one JIT-compiles a C++ op when built
+        def __init__(self, params, **kw):
+            self.kw = kw
+
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3, betas=(0.8, 0.9), eps=1e-6,
+                            weight_decay=0.1)
+    with mock.patch("deepspeed.ops.adam.DeepSpeedCPUAdam", FakeCPUAdam):
+        out, msgs = messages(map_pytorch_optim_to_deepspeed, opt)
+    called, _ = source_has("accelerate.Accelerator._prepare_deepspeed", '"zero_force_ds_cpu_optimizer", True',
+                           "optimizer = map_pytorch_optim_to_deepspeed(optimizer)")
+    kw = sorted(getattr(out, "kw", {}))
+    return called and isinstance(out, FakeCPUAdam) and "betas" not in kw and "eps" not in kw and not msgs, {
+        "becomes": type(out).__name__, "carried": kw, "warnings": len(msgs), "prepare swaps": called}

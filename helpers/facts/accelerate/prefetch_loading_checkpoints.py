@@ -144,3 +144,19 @@ def _save_state():
     sixteen = "save_16bit_model" in src
     return ok and calls and not sixteen, {"save_state calls save_checkpoint": calls,
                                           "save_state calls save_16bit_model": sixteen, "key mapped": ok}
+
+
+@fact("accelerate.size_wrap_default_threshold",
+      "accelerate launch's --fsdp_min_num_params defaults to 1e8; a FullyShardedDataParallelPlugin built in code "
+      "defaults min_num_params to 0, which silently turns SIZE_BASED_WRAP off (no policy).",
+      "accelerate", V, "accelerate/commands/launch.py: launch_command_parser (--fsdp_min_num_params); " + PLUGIN
+      + ", set_auto_wrap_policy")
+def _size_default():
+    from accelerate.commands.launch import launch_command_parser
+
+    launch_default = launch_command_parser().parse_args(["x.py"]).fsdp_min_num_params
+    p, _ = _plugin({"FSDP_VERSION": "2"}, auto_wrap_policy="SIZE_BASED_WRAP")
+    p.set_auto_wrap_policy(_model())  # what Accelerator.prepare does with the plugin's policy
+    return launch_default == int(1e8) and p.min_num_params == 0 and p.auto_wrap_policy is None, {
+        "accelerate launch default": launch_default, "plugin default": p.min_num_params,
+        "plugin policy": p.auto_wrap_policy}

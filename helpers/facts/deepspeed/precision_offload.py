@@ -349,3 +349,20 @@ gpu_fact("deepspeed.offload_optimizer_steps_on_host",
 
 
 _ = linear_stack  # the builders' default model: two Linear(16, 16) layers (256-element weights, 16-element biases)
+
+
+@fact("deepspeed.cpu_accelerator_pin_noop",
+      "DeepSpeed's CPU accelerator treats pin_memory as a no-op: it returns the tensor as it is, unpinned "
+      "(unless DS_PIN_MEMORY_BACKEND=native).",
+      "deepspeed", V, "accelerator/cpu_accelerator.py: CPU_Accelerator.pin_memory")
+def _cpu_pin():
+    import torch
+
+    with mock.patch.dict(os.environ, CPU):
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        env = {k: v for k, v in os.environ.items() if k != "DS_PIN_MEMORY_BACKEND"}
+        with mock.patch.dict(os.environ, env, clear=True):
+            t = torch.ones(4)
+            out = CPU_Accelerator().pin_memory(t)
+    return out is t and not out.is_pinned(), {"same tensor": out is t, "pinned": out.is_pinned()}

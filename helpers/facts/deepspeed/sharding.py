@@ -382,3 +382,15 @@ def _clip_default():
 
     clip = get_gradient_clipping({})
     return clip == 1.0, {"gradient_clipping": clip}
+
+
+@fact("deepspeed.hpz_secondary_dropped_after_step",
+      "ZeRO++ hpZ drops each parameter's secondary partition after every optimizer step, so the next forward "
+      "all-gathers from the primary partitions across all ranks.",
+      "deepspeed", V, "runtime/zero/stage3.py: DeepSpeedZeroOptimizer_Stage3._post_step, invalidate_secondary_tensor")
+def _hpz_drop():
+    # hpZ needs groups of 2 or more ranks: the fact rests on the pinned code's text
+    s3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+    post, ev = source_has(f"{s3}._post_step", "self.invalidate_secondary_tensor()")
+    drop, ev2 = source_has(f"{s3}.invalidate_secondary_tensor", "param.ds_secondary_tensor = None")
+    return post and drop, {**ev, "and": ev2.get("source has", ev2)}

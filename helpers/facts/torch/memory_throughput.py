@@ -251,3 +251,23 @@ gpu_fact("torch.nccl_buffers_outside_allocator",
          "torch", V, "distributed ProcessGroupNCCL (C++)",
          "needs CUDA devices and NCCL: mem_get_info drops after the first collective by more than memory_reserved "
          "grows")
+
+
+@fact("torch.fsdp2_offload_pins_by_default",
+      "FSDP2's CPUOffloadPolicy pins the host copies by default (pin_memory=True), and pinning needs an "
+      "accelerator: without one, fully_shard with the default policy refuses to start.",
+      "torch", V, "distributed/fsdp/_fully_shard/_fsdp_api.py: CPUOffloadPolicy; _fsdp_param.py: FSDPParam",
+      runs=True)
+def _offload_pins():
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    default = CPUOffloadPolicy().pin_memory
+    try:
+        fsdp2(linear_stack(2, 16), offload_policy=CPUOffloadPolicy())
+        err = ""
+    except Exception as e:  # the refusal is the evidence
+        err = f"{type(e).__name__}: {e}"
+    has_acc = torch.accelerator.is_available()
+    return default is True and not has_acc and bool(err), {"pin_memory default": default,
+                                                           "accelerator": has_acc, "fully_shard": err[:80] or "ok"}

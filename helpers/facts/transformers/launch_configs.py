@@ -86,3 +86,26 @@ def _cfg_on():
     m, plain = _tiny(gradient_checkpointing=True), _tiny()
     return m.model.gradient_checkpointing and not plain.model.gradient_checkpointing, {
         "with config key": m.model.gradient_checkpointing, "without": plain.model.gradient_checkpointing}
+
+
+@fact("transformers.no_deepspeed_checkpointing",
+      "transformers' models never call deepspeed.checkpointing: their activation checkpointing is torch's "
+      "torch.utils.checkpoint.checkpoint, and no transformers module refers to DeepSpeed's checkpointing.",
+      "transformers", V, "modeling_utils.py: PreTrainedModel._activation_checkpointing_enable")
+def _no_ds_ckpt():
+    from pathlib import Path
+
+    import torch.utils.checkpoint
+    import transformers
+
+    m = _tiny()
+    m.activation_checkpointing_enable()
+    fn = m.model.layers[0]._gradient_checkpointing_func
+    fn = getattr(fn, "func", fn)
+    names = ("deepspeed.checkpointing", "activation_checkpointing.checkpointing",
+             "deepspeed.runtime.activation_checkpointing")
+    files = list(Path(transformers.__file__).parent.rglob("*.py"))
+    hits = [p.name for p in files if any(n in p.read_text(errors="ignore") for n in names)]
+    return fn is torch.utils.checkpoint.checkpoint and not hits and len(files) > 100, {
+        "checkpoint function": f"{fn.__module__}.{fn.__name__}",
+        "files naming DeepSpeed's checkpointing": hits or "none", "files read": len(files)}

@@ -212,5 +212,9 @@ if __name__ == "__main__":  # python -m helpers.loading PRESET DIR
 
     if len(sys.argv) != 3:
         sys.exit("usage: python -m helpers.loading PRESET DIR   (writes a pretrained checkpoint to DIR)")
+    import os
+
+    # transformers imports DeepSpeed when it is installed; without this it warns that it guessed the CPU
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     save_preset(sys.argv[1], sys.argv[2])
     print(f"wrote {sys.argv[2]} ({sys.argv[1]}, fp32 safetensors)")

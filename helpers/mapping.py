@@ -25,10 +25,11 @@ class Mode:
     config: str  # launch config, relative to the repo
     min_world_size: int = 1
     note: str = ""
+    at_step_only: frozenset = frozenset()  # of ``sharded``: a shard only at the step (whole during backward)
 
 
-def _m(key, backend, fsdp1, fsdp2, zero, sharded, config, min_ws=1, note=""):
-    return Mode(key, backend, fsdp1, fsdp2, zero, frozenset(sharded), config, min_ws, note)
+def _m(key, backend, fsdp1, fsdp2, zero, sharded, config, min_ws=1, note="", at_step_only=()):
+    return Mode(key, backend, fsdp1, fsdp2, zero, frozenset(sharded), config, min_ws, note, frozenset(at_step_only))
 
 
 _ALL = ("params", "grads", "optimizer_states", "master_params")
@@ -46,7 +47,8 @@ MODES: dict[str, Mode] = {m.key: m for m in [
        note="bf16 params + fp32 master on every rank"),
     _m("zero1", "deepspeed", "(none)", "(none)", "ZeRO-1", ("optimizer_states", "master_params", "grads"),
        "launch_configs/deepspeed/zero1.yaml",
-       note="DeepSpeed reduces gradients into partitions at the step; they are full during backward"),
+       note="DeepSpeed reduces gradients into partitions at the step; they are full during backward",
+       at_step_only=("grads",)),
     _m("zero2", "deepspeed", "SHARD_GRAD_OP", "fully_shard(reshard_after_forward=False)", "ZeRO-2",
        ("optimizer_states", "master_params", "grads"), "launch_configs/deepspeed/zero2.yaml"),
     _m("zero3", "deepspeed", "FULL_SHARD", "fully_shard(reshard_after_forward=True)", "ZeRO-3", _ALL,
@@ -61,7 +63,9 @@ def mapping_rows() -> list[dict]:
     """The mapping table, one row per mode, for display."""
     return [
         {"mode": m.key, "backend": m.backend, "FSDP1 strategy": m.fsdp1, "FSDP2": m.fsdp2, "ZeRO": m.zero,
-         "sharded per rank": ", ".join(c for c in CATEGORIES if c in m.sharded) or "nothing",
+         "sharded per rank": ", ".join(c + (" (at the step only)" if c in m.at_step_only else "")
+                                       for c in CATEGORIES if c in m.sharded
+                                       and bytes_per_param(m.backend, "bf16")[c]) or "nothing",  # no empty categories
          "needs ranks": m.min_world_size}
         for m in MODES.values()
     ]
@@ -152,21 +156,27 @@ SETTINGS: list[Setting] = [
             "secondary bf16 param shard per group"),
     Setting("offload", "fsdp_offload_params: true", "offload_param + offload_optimizer device: cpu", True,
             "FSDP moves params, grads and optimizer states together; ZeRO-3 needs both DeepSpeed keys for "
-            "that; DeepSpeed's param-only, optimizer-only and nvme offload have no FSDP counterpart"),
-    Setting("loading", "fsdp_cpu_ram_efficient_loading (+ fsdp_sync_module_states)", "zero3_init_flag", True,
-            "both avoid a full model per rank at load time; zero3_init_flag only exists for ZeRO-3"),
-    Setting("checkpoint", "fsdp_state_dict_type", "zero3_save_16bit_model", True,
-            "SHARDED_STATE_DICT = per-rank DeepSpeed checkpoint; FULL_STATE_DICT = one consolidated file "
-            "(fp32 from FSDP with bf16 mixed precision, bf16 from DeepSpeed)"),
+            "that; DeepSpeed's param-only, optimizer-only and nvme offload have no FSDP counterpart; under "
+            "accelerate launch also set zero_force_ds_cpu_optimizer: false, or Accelerate swaps the torch "
+            "optimizer for DeepSpeedCPUAdam (lr and weight decay only)"),
+    Setting("loading", "fsdp_cpu_ram_efficient_loading (+ fsdp_sync_module_states)", "zero3_init_flag", False,
+            "both keep ranks other than 0 from loading a whole model (FSDP's rank 0 still loads it whole and "
+            "broadcasts it; under zero.Init each module is partitioned as it is built); zero3_init_flag only "
+            "exists for ZeRO-3"),
+    Setting("checkpoint", "fsdp_state_dict_type", "zero3_save_16bit_model", False,
+            "fsdp_state_dict_type sets what save_state writes (DCP shards, or one full fp32 file, plus the "
+            "optimizer); DeepSpeed's save_state always writes per-rank ZeRO files, and zero3_save_16bit_model "
+            "only lets save_model / get_state_dict gather one bf16 weights-only file"),
     Setting("prefetch", "fsdp_forward_prefetch / fsdp_backward_prefetch",
             "zero_optimization.stage3_prefetch_bucket_size", False,
-            "hints only, they never change the losses: FSDP2 prefetches one module ahead (Accelerate ignores "
+            "hints only (notebook 04 checks the losses are unchanged): by default FSDP2 prefetches the next unit "
+            "in backward only, in forward for modules given set_modules_to_forward_prefetch (Accelerate ignores "
             "these keys under fsdp_version 2; the guide applies them itself), DeepSpeed prefetches up to a bucket "
             "of parameter elements; NO_PREFETCH = bucket size 0"),
     Setting("mixed precision", "mixed_precision: bf16", "bf16.enabled: true", True,
             "fp32 shards + bf16 compute + bf16 reduction on FSDP = fp32 master + bf16 params + bf16 "
-            "gradient buffer (DeepSpeed's default data_types) on ZeRO-1/2/3: bit-identical losses (ZeRO-0 "
-            "in bf16 runs another optimizer wrapper and does not match)"),
+            "gradient buffer (DeepSpeed's default data_types) on ZeRO-1/2/3: identical losses on CPU/gloo in "
+            "this guide (GPUs not checked; ZeRO-0 in bf16 runs another optimizer wrapper and does not match)"),
     Setting("low precision", "mixed_precision: no (model loaded in bf16)", "(none)", False,
             "DeepSpeed keeps an fp32 master with bf16 on unless bf16.bf16_master_weights_and_grads (ZeRO-1/2/3); "
             "bf16.enabled false trains in the model's loaded dtype: for an fp32 model, FSDP with --model-dtype fp32"),

@@ -126,8 +126,8 @@ fig.tight_layout()
 
 # %% [markdown]
 # The bars meet their ticks. The check: each category, on each rank, of each run, within
-# 1% of the model (the small differences: padding of uneven shards, Adam's per-parameter step
-# counters <!-- fact: torch.adam_state -->), except ZeRO-1/2's gradients, which follow another rule, counted exactly further
+# 1% of the model (the small differences: Adam's per-parameter step counters <!-- fact: torch.adam_state -->,
+# and the small parameters ZeRO-3 keeps whole on every rank next to its shards <!-- fact: deepspeed.zero3_persistent_keep_partition -->), except ZeRO-1/2's gradients, which follow another rule, counted exactly further
 # below.
 
 # %%

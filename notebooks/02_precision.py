@@ -380,7 +380,8 @@ right.legend()
 fig.tight_layout()
 
 # %%
-claim("at this rate gradient norms exceed 1, so the default clip acts",  # fact: deepspeed.gradient_clipping_default (base["grad_norm"] > 1.0).any(),
+claim("at this rate gradient norms exceed 1, so the default clip acts",  # fact: deepspeed.gradient_clipping_default
+      (base["grad_norm"] > 1.0).any(),
       max_norm=float(base["grad_norm"].max()))
 claim("step 0 is identical, and the runs are still apart at the last step", drift.iloc[0] == 0 and drift.iloc[-1] > 0,
       first=float(drift.iloc[0]), last=float(drift.iloc[-1]), largest=float(drift.max()))

@@ -190,14 +190,15 @@ print(offload.settings_table(CONFIGS).to_string())
 # done
 
 # %% [markdown]
-# The NVMe run swaps to `nvme_swap/` inside its run directory (the config's relative
-# `nvme_path`; on a real node point it at a fast local drive):
+# The NVMe run swaps to a folder on this machine's own disk (the config's `nvme_path` is
+# relative, so `helpers.train` puts it under the system temp dir), linked from the run
+# directory as `nvme_swap`; on a real node point `nvme_path` at a fast local drive:
 
 # %% language="bash"
 # if [ "$NVME" = 1 ]; then
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/deepspeed/zero3_nvme.yaml \
 #         --out notebooks/runs/03_zero3_nvme $ARGS --steps $STEPS | tail -n 1
-#     find notebooks/runs/03_zero3_nvme/nvme_swap -name "*.swp" -path "*rank0*" | sort | head -n 8
+#     find notebooks/runs/03_zero3_nvme/nvme_swap/ -name "*.swp" -path "*rank0*" | sort | head -n 8
 # else
 #     echo "skipped: $NVME_STATE"
 # fi
@@ -335,7 +336,7 @@ else:
 #
 # The same bytes added up per location, next to the process's peak anonymous memory
 # (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On a GPU
-# the device peak is what offload lowers; on this machine host and device are one memory,
+# the device peak is what offload lowers (not checked here); on this machine host and device are one memory,
 # so offload has nowhere to move the bytes. Nor could these peaks show it: each run's whole
 # state is a small part of its peak (the check below), and peaks move between identical jobs
 # (notebook 08), so on this CPU the peaks are shown without a claim about them (on a GPU, where
@@ -401,13 +402,15 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # **What it means.** The lines above are what these single runs measured. Without an accelerator, "copying to
 # the host" is at most a copy within the same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop --> and the optimizer runs on the same cores either way,
 # so there is no transfer to pay for. What differs is the code each offload path runs (its own
-# buffers and copies), which could make a step slower or faster than the no-offload path here;
-# one run each cannot tell which, and we have not broken the steps down. NVMe adds reads and
+# buffers and copies). Here every offload run's steps were slower than its no-offload run's (the
+# ratios above); with one run each we cannot tell how much of that is the offload path and how
+# much the machine, and we have not broken the steps down. NVMe adds reads and
 # writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past the page cache. <!-- fact: deepspeed.aio_o_direct --> On a GPU (not run here) the picture changes: every step, offloaded
 # parameters are copied across PCIe to the GPU to compute with (FSDP, which reshards after
-# forward, copies them again for backward), <!-- fact: torch.fsdp2_offload_copies_to_gpu --> gradients go down to the host optimizer and updated
-# weights come back up (the optimizer's states and fp32 master stay on the host: that is what
-# offloading them saves), and the optimizer step runs on the host's cores instead of the GPU. <!-- fact: deepspeed.offload_optimizer_steps_on_host -->
+# forward, copies them again for backward), <!-- fact: torch.fsdp2_offload_copies_to_gpu --> gradients go down to the host, the optimizer
+# step runs on the host's cores instead of the GPU <!-- fact: deepspeed.offload_optimizer_steps_on_host -->, and (DeepSpeed with
+# `offload_optimizer` alone) the updated bf16 weights come back up; the optimizer's states and fp32
+# master stay on the host: that is what offloading them saves (not checked here).
 # That time is the price of the accelerator memory offload frees; measure it there with the
 # same cells, repeated and interleaved.
 #
@@ -438,9 +441,9 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (notebook 00
 # %% [markdown]
 # On this CPU, offload changed the backends' bookkeeping and copies (and, with NVMe, where the
 # optimizer's bytes wait: on disk), not the arithmetic, because the same torch AdamW steps on the host
-# (our JSONs set `zero_force_ds_cpu_optimizer: false`): <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off --> the losses are the same bit for bit. (On a GPU, a host-side optimizer step can
-# round differently from the GPU's kernels; <!-- fact: deepspeed.offload_optimizer_steps_on_host --> there the check compares every step's loss within
-# 1% instead.) At full size on 2 ranks the final loss is step 9's, a bump after the loss fell
+# (our JSONs set `zero_force_ds_cpu_optimizer: false`): <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off --> the losses are the same bit for bit. (On a GPU, where the
+# step moves to the host, <!-- fact: deepspeed.offload_optimizer_steps_on_host --> we do not assume it rounds like the GPU's kernels (not checked
+# here): there the check compares every step's loss within 1% instead, not yet run.) At full size on 2 ranks the final loss is step 9's, a bump after the loss fell
 # at every step before it (the check above, which runs there; notebook 00 trains on the same
 # data at the same rate and explains it), not a sign that training stalled.
 #
@@ -467,7 +470,7 @@ if not NVME_OK:
 #   small persistent params next to the compute; <!-- fact: deepspeed.zero3_persistent_small_params --> only tensors of at least 1 MiB per rank
 #   go to disk. <!-- fact: deepspeed.nvme_min_aio_bytes -->
 # * On this CPU, with the same torch AdamW stepping on the host, the losses do not change with offload, bit for bit <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off --> (on a GPU the host-side
-#   step may round differently: checked within 1% there). On this CPU-only machine no accelerator memory is
+#   step is checked within 1% instead, not yet run there). On this CPU-only machine no accelerator memory is
 #   saved - there is none: device and host are one RAM, and only NVMe's swap files leave it -
 #   and its single runs claim no step-time cost; on a GPU the "device" column is what offload
 #   frees, paid for in PCIe traffic and a host-side optimizer step <!-- fact: torch.fsdp2_offload_copies_to_gpu --> <!-- fact: deepspeed.offload_optimizer_steps_on_host --> (measure it there with

@@ -233,8 +233,8 @@ def _aio():
 
 
 @fact("deepspeed.nvme_small_partitions_in_host",
-      "With offload_param on NVMe, a parameter partition under the swap minimum is made in host memory and never "
-      "swapped.",
+      "With offload_param on NVMe, a parameter partition under the swap minimum ends up in host memory and is never "
+      "swapped (a persistent parameter's is made on the device first, then copied to ZeRO-3's host buffer).",
       "deepspeed", V, "runtime/zero/partition_parameters.py: Init._partition_param")
 def _small_in_host():
     return _read("deepspeed.runtime.zero.partition_parameters.Init._partition_param",

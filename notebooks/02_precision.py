@@ -117,7 +117,7 @@ claim(f"at lr {LR} the aligned run trains (loss drop over 0.02) and the low-prec
 # First fix: multiply the low-precision rate by the number of ranks (`NPROC`: 2 here on the
 # CPU; the seeds had 4 GPUs). Second fix: another rate for both backends. The seeds tried
 # 1e-5 on Mistral-7B; what matters is the rate next to the size of the weights, and for our
-# tiny model (weights drawn with std 0.02) we take ten times our first rate, `LR_HIGH`.
+# tiny model (weights drawn with std 0.02, transformers' default initializer_range; not checked here) we take ten times our first rate, `LR_HIGH`.
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train \

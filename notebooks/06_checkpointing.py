@@ -58,7 +58,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # | config | what is on disk |
 # |---|---|
 # | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it <!-- fact: torch.dcp_file_per_rank --> |
-# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one fp32 file <!-- fact: torch.full_state_dict_rank0 --> |
+# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one file in the parameters' dtype (fp32 here, after the bf16 upcast) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
 # | DeepSpeed | `ds/`: `engine.save_checkpoint`, two files per rank (model states, optimizer states) <!-- fact: deepspeed.zero3_checkpoint_files --> |
 # | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
 #
@@ -224,8 +224,9 @@ claim("the safetensors export holds fp32 weights only: 4 bytes per parameter", n
       bytes_per_param=per_param["export hf safetensors"])
 
 # %% [markdown]
-# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter
-# whatever the backend: the fp32 master weights (4) plus Adam's two fp32 moments (8).
+# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter for
+# both backends as run here: the fp32 master weights (4) plus Adam's two fp32 moments (8)
+# (under ZeRO-1/2 rank 0 also saves the bf16 model, about 2 more; not run here).
 # DeepSpeed's ZeRO-3 optimizer files hold the fp32 partitions and moments, and its model
 # files no weights at all (the table's empty `model`; the bf16 module copy is rebuilt from the
 # partitions); <!-- fact: deepspeed.zero3_checkpoint_contents --> the 16-bit file is 6x smaller but holds

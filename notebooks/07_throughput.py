@@ -74,7 +74,7 @@ print(f"size={SIZE}: pair {PAIR_STEPS} steps on {NPROC} ranks; sizes {SIZES}; ra
 #   so each job **measures** it at start: rank 0 alone times a 512x512 matmul in the job's
 #   compute dtype on its one thread (the other ranks wait).
 # * **Warm-up**: the first two steps are left out of the medians — step 0 pays first-touch
-#   allocations, kernel selection and lazily created optimizer state, step 1 runs the
+#   allocations and lazily created optimizer state, step 1 runs the
 #   memory and dtype probes. <!-- fact: torch.adam_state_lazy --> <!-- fact: deepspeed.zero3_optimizer_state_lazy -->
 #
 # The FLOPs of our presets, from the same function the jobs call (shapes only, no memory):
@@ -99,7 +99,8 @@ claim("tiny's count is 6 N + 12 L H Q T by hand (N = 456,320 without the embeddi
       flops_per_token=int(presets.loc["tiny", "FLOPs/token (T=64)"]))
 
 # %% [markdown]
-# The same formula reproduces the seeds' MFU from their tokens/s: Granite 7B at 3158.7
+# Its `6 N` term alone (attention left out, N rounded to 7e9) gives the seeds' MFU from their
+# tokens/s to within 10%: Granite 7B at 3158.7
 # tokens/s on an A100 (312 TFLOPS) is `6 x 7e9 x 3158.7 / 312e12`:
 
 # %%
@@ -150,22 +151,24 @@ print(f"FSDP / DeepSpeed tokens/s: {1 / PAIR.ratio:.2f} here (medians), {3158.7 
 achieved = fsdp.summary["tokens_per_s_per_rank"] * fsdp.summary["flops_per_token"]
 print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}x this core's; achieved FLOP/s: "
       f"the seeds' {0.41 * 312e12 / achieved:,.0f}x ours; tokens/s: ours "
-      f"{fsdp.summary['tokens_per_s_per_rank'] / 3158.7:.1f}x the seeds' (a 0.6M-parameter model, not 7B)")
+      f"{fsdp.summary['tokens_per_s_per_rank'] / 3158.7:.1f}x the seeds'")
 
 # %% [markdown]
 # **What it means.** The two backends do the same work. Whether one was faster here is the
 # verdict above: a difference is called only when the spreads of their step times part (step
 # times on a shared 2-core machine vary from step to step); the seeds measured 2% on 4x A100.
 # The absolute numbers are not comparable with the seeds': the last line puts the peaks and
-# the achieved FLOP/s side by side; tokens/s mostly says how small our model is.
+# the achieved FLOP/s side by side; tokens/s depends on both the model (ours needs far fewer
+# FLOPs per token) and the hardware (this core has far less peak).
 #
 # ## bf16 on a CPU: fast or slow, by instruction set
 #
 # How fast a CPU runs a bf16 matmul depends on its instructions (torch's compiled CPU kernels,
 # not checked here): with `avx512_bf16` or AMX this guide measured bf16 faster than fp32; with
 # AVX2 only, far slower, the reverse of a GPU, where bf16 tensor cores are the fast path. The cell below lists what this one has; the first cell
-# after the size sweep prints both measured peaks. The peak is measured in the job's dtype, so MFU stays honest
-# either way. The sweeps below train the **plain fp32 pair**
+# after the size sweep prints both measured peaks. The peak is measured in the job's dtype, so MFU
+# counts against the arithmetic the job does; each job measures it again, and on a shared machine it
+# moves from job to job (the range is printed with it): read MFU between jobs loosely. The sweeps below train the **plain fp32 pair**
 # (`fsdp/full_shard_low_precision.yaml --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`),
 # whose speed does not depend on which bf16 instructions a CPU has.
 
@@ -186,10 +189,11 @@ print("bf16 instructions:", BF16_UNITS or "none")
 # %%
 size = pd.read_csv("notebooks/runs/07_size.csv")
 fp32_peak = size.peak_flops.median()
-print(f"fp32 peak {throughput.fmt_flops(fp32_peak)} vs bf16 peak {throughput.fmt_flops(fsdp.summary['peak_flops'])} "
-      f"per rank: fp32 / bf16 = {fp32_peak / fsdp.summary['peak_flops']:.2f}")
+print(f"fp32 peak {throughput.fmt_flops(fp32_peak)} (median; the jobs measured "
+      f"{throughput.fmt_flops(size.peak_flops.min())} to {throughput.fmt_flops(size.peak_flops.max())}) vs bf16 peak "
+      f"{throughput.fmt_flops(fsdp.summary['peak_flops'])} per rank: fp32 / bf16 = {fp32_peak / fsdp.summary['peak_flops']:.2f}")
 if not GPUS and not BF16_UNITS:
-    claim("without bf16 instructions, the measured fp32 peak is over 3x the bf16 one (bf16 is emulated)",
+    claim("this CPU has no bf16 instructions: the median measured fp32 peak is over 3x the bf16 one",
           fp32_peak > 3 * fsdp.summary["peak_flops"], ratio=fp32_peak / fsdp.summary["peak_flops"])
 elif not GPUS:
     claim(f"with {', '.join(BF16_UNITS)}, bf16 is the faster path on this CPU: its measured peak is above fp32's",
@@ -278,10 +282,10 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 #
 # * **One thread per rank, oversubscribed at 4 ranks.** Each rank computes on one core
 #   (`OMP_NUM_THREADS=1`); the peak is that core's. <!-- fact: torch.omp_num_threads_sets_intraop --> At 4 ranks two ranks share a core, so
-#   each shares its core's peak with another rank: MFU per rank falls (it already falls from 1
-#   to 2 ranks, where no core is shared: the collectives below). The total need not fall with it (the
-#   `total_4_over_2` ratios above, one short job per point): a rank waiting in a gloo
-#   collective leaves its core to the other rank.
+#   each shares its core's peak with another rank, and no rank gets faster (the check above;
+#   from 1 to 2 ranks, one short job each, the table shows what the collectives below cost). The total need not fall
+#   with it (the `total_4_over_2` ratios above, one short job per point): a rank waiting in a
+#   collective may leave its core to the other rank (our reading; not checked here).
 #   On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters
 #   its gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults --> With gloo these are memory copies
@@ -295,8 +299,8 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 #   matmuls are large enough to hide them — which is how the seeds reach 0.4.
 # * **bf16 depends on the hardware.** On the CPUs this guide measured, it was the slow path
 #   with AVX2 only and the fast one with bf16 instructions (this one, if the cells above said
-#   so; other CPUs not checked); on GPUs, the fast one. Measured
-#   in the job's dtype, MFU is fair on all of them.
+#   so; other CPUs not checked); on GPUs, the fast one. On each, MFU counts
+#   against the peak the job measured in its own dtype.
 #
 # ## Recap
 #

@@ -27,7 +27,7 @@
 #
 # | method | config key (Accelerate's) | what each rank does |
 # |---|---|---|
-# | naive | (default) | `from_pretrained` on every rank, then shard <!-- fact: accelerate.ram_efficient_loading_default_off --> |
+# | naive | `fsdp_cpu_ram_efficient_loading: false` (`accelerate launch` turns it on when a file leaves it out) | `from_pretrained` on every rank, then shard <!-- fact: accelerate.ram_efficient_loading_default_off --> |
 # | FSDP RAM-efficient | `fsdp_cpu_ram_efficient_loading` (the launcher also demands `fsdp_sync_module_states`, which FSDP2 ignores) <!-- fact: accelerate.fsdp2_sync_module_states_required_but_ignored --> | meta-device init, shard, `to_empty`; rank 0 reads and broadcasts (`set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`) <!-- fact: torch.broadcast_from_rank0_per_tensor --> |
 # | DeepSpeed ZeRO-3 init | `zero3_init_flag` | `from_pretrained` inside `deepspeed.zero.Init` (transformers' `HfDeepSpeedConfig`): <!-- fact: transformers.from_pretrained_in_zero_init --> each module's parameters are partitioned once it is created <!-- fact: deepspeed.zero_init_partitions_on_creation --> |
 #

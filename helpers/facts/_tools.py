@@ -5,11 +5,15 @@ Every function here imports its library when called, so that reading the registr
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import logging
 import os
+import shutil
+import tempfile
 import warnings
+from pathlib import Path
 
 
 def resolve(dotted: str):
@@ -119,3 +123,10 @@ def fsdp2(model=None, *, units: bool = True, **fully_shard_kwargs):
             fully_shard(child, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     return model
+
+
+def scratch(prefix: str) -> Path:
+    """A temporary directory for a check that saves something, removed when the checking process ends."""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, d, True)
+    return d

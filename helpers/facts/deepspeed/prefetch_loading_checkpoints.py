@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 from pathlib import Path
 from unittest import mock
 
 from .. import fact
-from .._tools import ds_engine, linear_stack, messages, resolve, source_has
+from .._tools import ds_engine, linear_stack, messages, resolve, scratch, source_has
 
 V = "0.19.8"
 COORD = "deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator"
@@ -196,7 +195,7 @@ def _saved_zero3() -> Path:
                     model=linear_stack(bias=False, dtype=torch.bfloat16))
     eng.backward(eng(torch.ones(1, 16, dtype=torch.bfloat16)).float().sum())
     eng.step()
-    d = Path(tempfile.mkdtemp(prefix="facts_ds_"))
+    d = scratch("facts_ds_")
     eng.save_checkpoint(str(d), tag="ds", save_latest=False)
     eng.save_16bit_model(str(d), "model_16bit.bin")
     return d
@@ -260,7 +259,7 @@ def _16bit():
 def _fixed_world():
     import torch
 
-    d = Path(tempfile.mkdtemp(prefix="facts_ds_"))
+    d = scratch("facts_ds_")
     eng = ds_engine({"stage": 3})
     eng.save_checkpoint(str(d), tag="t", save_latest=False)
     p = d / "t" / "zero_pp_rank_0_mp_rank_00_model_states.pt"

@@ -5,12 +5,10 @@ Read helpers.facts' module docstring first.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from unittest import mock
 
 from .. import fact, gpu_fact
-from .._tools import fsdp2, linear_stack, messages, resolve, source_has
+from .._tools import fsdp2, linear_stack, messages, resolve, scratch, source_has
 
 V = "2.13.0+cpu"
 GROUP = "torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup"
@@ -279,7 +277,7 @@ def _dcp():
     import torch
     import torch.distributed.checkpoint as dcp
 
-    d = Path(tempfile.mkdtemp(prefix="facts_dcp_"))
+    d = scratch("facts_dcp_")
     dcp.save({"w": torch.zeros(4, 2)}, checkpoint_id=d)
     files = sorted(p.name for p in d.iterdir())
     md = dcp.FileSystemReader(d).read_metadata().state_dict_metadata["w"]

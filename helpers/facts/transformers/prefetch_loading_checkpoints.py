@@ -6,11 +6,9 @@ Read helpers.facts' module docstring first.
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 from .. import fact
-from .._tools import source_has
+from .._tools import scratch, source_has
 
 V = "5.23.0"
 
@@ -30,7 +28,7 @@ def _tiny_config():
 def _save():
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    d = Path(tempfile.mkdtemp(prefix="facts_hf_"))
+    d = scratch("facts_hf_")
     LlamaForCausalLM(_tiny_config()).save_pretrained(d)
     files = sorted(os.listdir(d))
     (d / "generation_config.json").unlink()

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from helpers import estimate as est  # noqa: E402
-from helpers.mapping import MODES  # noqa: E402
+from helpers.core.mapping import MODES  # noqa: E402
 
 QUICK = dict(modes=[k for k, m in MODES.items() if m.min_world_size <= 2], models=["tiny"], ranks=[2],
              micro_batches=[2, 8])

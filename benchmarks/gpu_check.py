@@ -10,7 +10,7 @@ watchdog and becomes a FAIL row; a job that outlives even that, or a check that 
 The table is printed and ``OUT/gpu_check.json`` rewritten after every row (never lost), with the versions
 of torch, DeepSpeed, transformers and Accelerate and the GPU. The checks (``CHECKS``):
 
-  nccl + CPU tensor       a raw all-reduce of a CPU tensor fails on the group; ``helpers.comm.all_reduce`` works
+  nccl + CPU tensor       a raw all-reduce of a CPU tensor fails on the group; ``helpers.job.comm.all_reduce`` works
   torchrun launch         each backend starts under torchrun, over nccl on a GPU
   aligned parity          FSDP full_shard and ZeRO-3, both ``--deterministic``: bit-identical losses where
                           ``helpers.nb.bitwise_parity_expected`` says so, close otherwise
@@ -144,7 +144,7 @@ def nccl_cpu_tensor(c: Ctx) -> None:
     import torch
     import torch.distributed as dist
 
-    from helpers import comm
+    from helpers.job import comm
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     kw = dict(device_id=torch.device("cuda", 0)) if c.gpu else {}
@@ -221,7 +221,7 @@ def convert_resume(c: Ctx) -> None:
 
 
 def pretrained_loading(c: Ctx) -> None:
-    from helpers.loading import save_preset
+    from helpers.job.loading import save_preset
 
     save_preset("tiny", str(c.out / "pretrained"), seed=3)
     loads = {m: c.job(f"load_{m}", cfg, "--model", str(c.out / "pretrained"), "--steps", "1")
@@ -235,7 +235,7 @@ def pretrained_loading(c: Ctx) -> None:
 def ram_efficient_offload(c: Ctx) -> None:
     import yaml
 
-    from helpers.loading import save_preset
+    from helpers.job.loading import save_preset
 
     if not (c.out / "pretrained").is_dir():
         save_preset("tiny", str(c.out / "pretrained"), seed=3)
@@ -262,7 +262,7 @@ def offload(c: Ctx) -> None:
     cats = ("params", "grads", "optimizer_states")
     got = {k: (places(plain, k), places(off, k)) for k in cats}
     traced = (c.out / "fsdp_offload" / "tensor_trace.jsonl").is_file()
-    # helpers.offload labels offloaded state "host" on a CPU too (there it is the same memory: see "host bytes")
+    # job.observe.offload labels offloaded state "host" on a CPU too (there it is the same memory: see "host bytes")
     good = all(a == {"device"} and b == {"host"} for a, b in got.values()) and traced
     c.row("offload placement", good, "; ".join(f"{k}: {sorted(a)} -> {sorted(b)}" for k, (a, b) in got.items())
           + f"; pin_memory={c.gpu}; --trace-tensors wrote its trace: {traced}")
@@ -275,7 +275,7 @@ def offload(c: Ctx) -> None:
 
 
 def backward_collectives(c: Ctx) -> None:
-    from helpers import traces
+    from helpers.nb import traces
 
     fsdp, _ = aligned_pair(c)
     if not ok_job(fsdp):
@@ -297,10 +297,10 @@ def backward_collectives(c: Ctx) -> None:
 
 
 def matmul_peak(dtype) -> float:
-    """Best FLOP/s of a square matmul in ``dtype`` on this machine's GPU (CPU: helpers.throughput's bench)."""
+    """Best FLOP/s of a square matmul in ``dtype`` on this machine's GPU (CPU: job.observe.throughput's bench)."""
     import torch
 
-    from helpers.throughput import measure_cpu_peak
+    from helpers.job.observe.throughput import measure_cpu_peak
 
     if not torch.cuda.is_available():
         return measure_cpu_peak(dtype)

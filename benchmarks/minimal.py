@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 benchmarks/minimal.py --backend fsdp --out /tmp/min.json
     torchrun --standalone --nproc_per_node 2 benchmarks/minimal.py --backend deepspeed --out /tmp/min.json
 
-Same model (helpers.models preset, same seed), same data (helpers.models.synthetic_batch),
+Same model (helpers.core.models preset, same seed), same data (helpers.core.models.synthetic_batch),
 same optimizer (torch AdamW, foreach=False), precision and FSDP units as the harness's configs,
 written out by hand: no config parsing, no probes, no guard, no run directory. Rank 0 writes the wall
 time of each loop iteration (batch, forward, backward, optimizer step, loss to the host) to
@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from helpers.models import build_model, decoder_layers, resolve_model, synthetic_batch
+from helpers.core.models import build_model, decoder_layers, resolve_model, synthetic_batch
 
 
 def fsdp_model(model, dtype, device):
@@ -34,7 +34,7 @@ def fsdp_model(model, dtype, device):
     if dtype == torch.bfloat16:  # aligned mode: fp32 shards, bf16 compute (launch_configs/fsdp/full_shard.yaml)
         model.float()
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    # the units accelerate launch makes under FSDP2 (helpers.wrap.plan), written out: each decoder block, the
+    # the units accelerate launch makes under FSDP2 (helpers.job.wrap.plan), written out: each decoder block, the
     # input embedding (resharded after forward), the final norm with the output layer (kept), then the root
     for block in decoder_layers(model):
         fully_shard(block, mesh=mesh, mp_policy=mp)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from helpers.metrics import WARMUP_STEPS  # noqa: E402
+from helpers.core.metrics import WARMUP_STEPS  # noqa: E402
 
 CONFIGS = {  # (backend, dtype) -> harness config + extra flags
     ("fsdp", "bf16"): ["launch_configs/fsdp/full_shard.yaml"],

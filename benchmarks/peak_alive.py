@@ -5,7 +5,7 @@
     python benchmarks/peak_alive.py --nproc 2 --within guide::backward -- ...   # the peak inside backward
 
 Runs one real ``helpers.train`` job under torchrun (everything after ``--`` is its arguments). Each rank
-reads the same profiler events as ``helpers.tensor_peak`` (CPU: every allocation and free of the CPU
+reads the same profiler events as ``helpers.job.observe.tensor_peak`` (CPU: every allocation and free of the CPU
 allocator, with the running total), finds the peak of the window (or, with ``--within NAME``, the
 largest total reached by an allocation made inside a region of that name, e.g. ``guide::backward``,
 ``guide::optimizer_step``), and lists the allocations still alive at that instant, matched to their
@@ -39,7 +39,7 @@ def chain(event, depth: int = 4) -> str:
 
 def alive_at_peak(roots, within: str | None) -> dict:
     """The window's peak (or the largest total reached inside ``within``) and what is alive there."""
-    from helpers.tensor_peak import cpu_allocations
+    from helpers.job.observe.tensor_peak import cpu_allocations
 
     start, allocs = cpu_allocations(roots)
     if start is None:
@@ -73,9 +73,9 @@ def alive_at_peak(roots, within: str | None) -> dict:
 
 
 def worker(out: Path, within: str | None, job_args: list[str]) -> int:
-    """One rank: the job itself, with helpers.tensor_peak's window reader wrapped to also write the listing."""
-    import helpers.tensor_peak as tp
-    import helpers.train as train
+    """One rank: the job itself, with job.observe.tensor_peak's window reader wrapped to also write the listing."""
+    import helpers.job.observe.tensor_peak as tp
+    import helpers.job.run as train
 
     read = tp.window_peak
 

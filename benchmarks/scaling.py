@@ -6,7 +6,7 @@
 Every point is a real ``helpers.train`` job (FSDP FULL_SHARD next to DeepSpeed
 ZeRO-3, run back to back so a slow spell on a shared machine hits both); its
 run directory stays under ``--runs``, and the CSV holds one row per job, read
-from the run's ``summary.json`` (``helpers.results``), which is what
+from the run's ``summary.json`` (``helpers.nb.results``), which is what
 notebooks/07_throughput plots. ``--dtype bf16`` is the aligned pair of the
 seeds (fsdp/full_shard.yaml, deepspeed/zero3.yaml); ``fp32`` (the default) the
 plain fp32 pair, much faster on CPUs without bf16 instructions. Not a test.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from helpers.results import load_run  # noqa: E402
+from helpers.nb.results import load_run  # noqa: E402
 
 CONFIGS = {  # (backend, dtype) -> config + extra flags (as benchmarks/overhead.py)
     ("fsdp", "bf16"): ["launch_configs/fsdp/full_shard.yaml"],

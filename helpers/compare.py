@@ -6,7 +6,7 @@ the first line says where::
 
     first difference: step 1 loss 6.144670963287354 vs 6.144979476928711, grad_norm ... vs ...
 
-When both jobs ran with ``--trace-tensors`` (helpers.tensor_trace) it also names the first
+When both jobs ran with ``--trace-tensors`` (helpers.job.observe.tensor_trace) it also names the first
 tensor that differs: the earliest step, then the earliest stage of that step (weight, local
 gradient, reduced gradient, update), then the first parameter in model order, with its dtype
 on each side. A difference in the tensors usually shows up a step before the losses do (an
@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRACE_FILE = "tensor_trace.jsonl"  # written by helpers.tensor_trace (--trace-tensors)
+TRACE_FILE = "tensor_trace.jsonl"  # written by helpers.job.observe.tensor_trace (--trace-tensors)
 STAGES = ("weight", "grad_local", "grad_reduced", "update")  # in the order a step produces them
 
 

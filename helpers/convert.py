@@ -4,7 +4,7 @@
     python -m helpers.convert ckpt_ds/step_10 ckpt_fs/step_10 --to fsdp     # then --resume it under FSDP
     python -m helpers.convert ckpt/step_10 hf_model --to hf                  # config.json + model.safetensors
 
-One process, no GPU, no process group. Every source (see helpers.checkpoint:
+One process, no GPU, no process group. Every source (see helpers.job.checkpoint:
 FSDP ``sharded`` DCP, FSDP ``full``, DeepSpeed ZeRO stage 0-3) is first read into one
 consolidated fp32 layout, parameter by parameter, by name::
 
@@ -18,7 +18,7 @@ consolidated fp32 layout, parameter by parameter, by name::
   job that resumes it does the import at start-up, for any world size and
   ZeRO stage: weights into the module before ``deepspeed.initialize``, then
   the fp32 master and Adam state (``safe_set_full_fp32_param`` /
-  ``safe_set_full_optimizer_state``; see helpers.checkpoint._import_deepspeed).
+  ``safe_set_full_optimizer_state``; see helpers.job.checkpoint._import_deepspeed).
 - ``--to hf`` writes ``config.json`` + ``model.safetensors`` (fp32 weights, no
   optimizer): loadable with ``from_pretrained`` or ``--model DIR``.
 
@@ -40,7 +40,7 @@ import time
 import warnings
 from pathlib import Path
 
-from . import safeload
+from helpers.core import safeload
 
 TARGETS = ("fsdp", "deepspeed", "hf")
 
@@ -57,7 +57,7 @@ def single_process_dcp():
 def read_consolidated(src: str | os.PathLike, meta: dict) -> dict:
     """Any checkpoint format -> {"model": ..., "optim": ...}, fp32, full tensors, keyed by parameter name."""
 
-    from .checkpoint import CheckpointError, load_full
+    from helpers.job.checkpoint import CheckpointError, load_full
 
     p = Path(src)
     if meta["format"] == "full":
@@ -101,7 +101,7 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
     """
     import torch
 
-    from .checkpoint import CheckpointError
+    from helpers.job.checkpoint import CheckpointError
 
     ws, where = meta["world_size"], folder.parent.parent
     model_file = next((f for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
@@ -219,7 +219,7 @@ def _read_stage0(ms: dict, meta: dict, where) -> dict:
     the module holds the master weights. Either way Adam's state is keyed by parameter index."""
     import torch
 
-    from .checkpoint import CheckpointError
+    from helpers.job.checkpoint import CheckpointError
 
     opt = ms.get("optimizer")
     if not opt:
@@ -244,7 +244,7 @@ def _read_stage0(ms: dict, meta: dict, where) -> dict:
 
 def check_state(state: dict, meta: dict, where: str) -> None:
     """The state holds exactly the parameters meta.json names, with their shapes, and Adam state for each."""
-    from .checkpoint import CheckpointError, check_model
+    from helpers.job.checkpoint import CheckpointError, check_model
 
     check_model(meta, {k: list(v.shape) for k, v in state["model"].items()}, where)
     groups = state["optim"].get("param_groups") or [{}]
@@ -259,7 +259,7 @@ def convert(src: str, dst: str, to: str) -> dict:
     """Write ``dst`` from checkpoint ``src``; returns the new meta. Raises CheckpointError on bad input."""
     import torch
 
-    from .checkpoint import META, CheckpointError, dir_bytes, read_meta
+    from helpers.job.checkpoint import META, CheckpointError, dir_bytes, read_meta
 
     if to not in TARGETS:
         raise CheckpointError(f"--to {to!r}: allowed values are {', '.join(TARGETS)}")
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("--to", required=True, help="fsdp, deepspeed or hf")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from .checkpoint import CheckpointError
+    from helpers.job.checkpoint import CheckpointError
 
     try:
         new = convert(args.src, args.dst, args.to)

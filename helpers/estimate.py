@@ -7,7 +7,7 @@
 built on the meta device (no weights, no downloads). Everything is per rank, in bytes:
 
 ``params grads optimizer_states master_params``  the state at rest: the ZeRO model of
-    ``helpers.mapping.theory_bytes`` (the one the jobs print next to their measurement), with FSDP2's
+    ``helpers.core.mapping.theory_bytes`` (the one the jobs print next to their measurement), with FSDP2's
     per-parameter shards made exact from the model's shapes (dim 0 split in ``ceil(rows / shard group)``
     rows: the stored shard is padded, Adam's moments are not, so the last ranks may hold less), Adam's
     step counters (4 bytes per tensor), and ZeRO-3's "persistent" params (fewer elements than
@@ -94,9 +94,9 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import mapping
+from helpers import CHECKOUT
+from helpers.core import mapping
 
 STATE = mapping.CATEGORIES
 GIB = 2**30
@@ -162,7 +162,7 @@ def model_shapes(model: str, wrap: str = "TRANSFORMER_BASED_WRAP") -> Shapes:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import ModelSpecError, decoder_layers, model_config, resolve_model
+    from helpers.core.models import ModelSpecError, decoder_layers, model_config, resolve_model
 
     try:
         cfg = model_config(resolve_model(model))
@@ -311,7 +311,7 @@ def compute_bytes(job) -> int:
 
 def checkpointing(job) -> bool:
     """Does the config turn activation checkpointing on (the same rule the jobs follow)?"""
-    from .recompute import requested
+    from helpers.job.recompute import requested
 
     return requested(job)
 
@@ -486,8 +486,8 @@ def parse_args(argv=None):
 
 def run(args) -> dict:
     """The estimate for parsed arguments; EstimateError / ConfigError on bad input."""
-    from .config import ConfigError, load_job_config
-    from .train import resolve_job
+    from helpers.core.config import ConfigError, load_job_config
+    from helpers.job.run import resolve_job
 
     overrides = {"model": args.model, "micro_batch": args.micro_batch, "seq_len": args.seq_len}
     job = load_job_config(args.config, overrides, world_size=args.world_size)
@@ -521,14 +521,14 @@ def errors(predicted: list[float], measured: list[float]) -> dict:
 
 def against(row: dict) -> dict:
     """The estimate for a measured run of a shipped mode, next to it: ``row`` has ``mode`` (a key of
-    ``helpers.mapping.MODES``), ``model``, ``world_size``, ``micro_batch``, ``seq_len`` and ``measured``
+    ``helpers.core.mapping.MODES``), ``model``, ``world_size``, ``micro_batch``, ``seq_len`` and ``measured``
     (``peak_tensor_bytes``, one per rank), and may have ``measured_repeat`` (the same job run again).
     Returns the prediction per rank, its comm buckets, ``errors`` (of the repeat too: ``error_repeat``,
     ``error_of_the_largest_repeat``) and ``error_without_buckets``, the worst rank's ``(predicted - measured)
     / (measured - buckets)``: DeepSpeed's ZeRO-1/2/3 bucket is counted exactly and can be most of a small
     model's peak, so this scores the rest. How ``benchmarks/estimate_grid.py`` scores a job, and how
     notebook 08 re-scores the grid's stored measurements with the estimator of the day."""
-    config = Path(__file__).resolve().parent.parent / mapping.MODES[row["mode"]].config
+    config = CHECKOUT / mapping.MODES[row["mode"]].config
     e = run(argparse.Namespace(config=str(config), model=row["model"], world_size=row["world_size"],
                                micro_batch=row["micro_batch"], seq_len=row["seq_len"], budget_gib=None))
     predicted, buckets = e["peak_bytes_per_rank"], [c["comm_buckets"] for c in e["categories_per_rank"]]

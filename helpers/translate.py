@@ -3,7 +3,7 @@
     python -m helpers.translate launch_configs/fsdp/full_shard.yaml --to deepspeed -o runs/ds.yaml
     python -m helpers.translate launch_configs/deepspeed/zero3.yaml --to fsdp
 
-The mapping comes from ``helpers.mapping`` (``MODES``/``COUNTERPARTS`` for
+The mapping comes from ``helpers.core.mapping`` (``MODES``/``COUNTERPARTS`` for
 sharding, ``SETTINGS`` for the rest: offload, loading, checkpoint format,
 prefetch, mixed precision, accumulation, clipping). Every key of the input is
 either translated or reported: a ``warning:`` line names the key, the value,
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from .compat import normalize_fsdp_config
-from .config import ConfigError, JobConfig, _read_yaml, load_job_config
-from .mapping import CATEGORIES, MODES, counterpart, mode_key
+from helpers.core.compat import normalize_fsdp_config
+from helpers.core.config import ConfigError, JobConfig, _read_yaml, load_job_config
+from helpers.core.mapping import CATEGORIES, MODES, counterpart, mode_key
 
 # Top-level keys that only tell `accelerate launch` where and how many: copied as they are.
 _LAUNCH_KEYS = ["compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity", "gpu_ids", "machine_rank",
@@ -209,7 +209,7 @@ def _fsdp_to_deepspeed(raw: dict, job: JobConfig, t: Translation) -> None:
     if ac is not None:
         t.notes.append("fsdp_activation_checkpointing = true: written as the JSON's activation_checkpointing "
                        f"section{' (cpu_checkpointing: the offload)' if ac else ''}, which makes this guide's job "
-                       "turn on the model's own checkpointing (helpers.recompute; same losses). Under accelerate "
+                       "turn on the model's own checkpointing (helpers.job.recompute; same losses). Under accelerate "
                        "launch, your script calls model.activation_checkpointing_enable(): DeepSpeed does not")
     if "fsdp_use_orig_params" in left and not left.pop("fsdp_use_orig_params"):
         warn("fsdp_use_orig_params = false: FSDP1's flattened parameters; DeepSpeed (like FSDP2) always trains "
@@ -366,7 +366,7 @@ def _deepspeed_to_fsdp(raw: dict, job: JobConfig, t: Translation) -> None:
              "bf16 mixed precision, and no fsdp_config key changes that. Nothing written; with other reduce "
              "dtypes the two backends round gradients differently")
 
-    # activation checkpointing: the section turns it on (helpers.recompute); cpu_checkpointing is the offload
+    # activation checkpointing: the section turns it on (helpers.job.recompute); cpu_checkpointing is the offload
     ac = js.pop("activation_checkpointing", None)
     if isinstance(ac, dict):
         fc["fsdp_activation_checkpointing"] = True

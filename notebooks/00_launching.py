@@ -36,8 +36,9 @@ import math
 import os
 from pathlib import Path
 
-from helpers import facts, nb, plots, results
-from helpers.claims import claim
+from helpers import facts, nb
+from helpers.nb import plots, results
+from helpers.nb.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 12 if SIZE == "quick" else 40
@@ -160,7 +161,7 @@ claim("the model learns: the final loss is over 0.5 below the first", fsdp.summa
 # count each rank draws another slice of the batch, so the bump can fall elsewhere). It is the learning
 # rate, not the data:
 # 3e-3 from the first step, with no warm-up. The data are arithmetic progressions modulo 97
-# (`helpers.models`), so the model only has to learn which 97 of its 1000 token ids occur
+# (`helpers.core.models`), so the model only has to learn which 97 of its 1000 token ids occur
 # (a loss near ln 97 = 4.57) and then the progressions; once it has pushed the other ids
 # down, one Adam step at 3e-3 overshoots and gives some of that probability back (our reading:
 # the run below tests the rate, not the mechanism). The same job at a third of the rate, for the
@@ -233,7 +234,7 @@ for r in (fsdp, ds):
 # them. Try another learning rate, the `small` model, or 1 and 4 ranks.
 
 # %%
-from helpers import widgets
+from helpers.nb import widgets
 
 widgets.ControlPanel("00", {"FSDP FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
                             "DeepSpeed ZeRO-3": "launch_configs/deepspeed/zero3.yaml"},

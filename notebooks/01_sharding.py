@@ -25,7 +25,7 @@
 # need it), and a few modes also at 1 and 4 ranks to see how the bytes scale. Each job counts,
 # on every rank, the bytes of the parameters, gradients, optimizer states and fp32
 # master weights it holds right before its optimizer step, straight from the live
-# tensors (`helpers.memory`), and writes them next to what the ZeRO model predicts.
+# tensors (`helpers.job.observe.memory`), and writes them next to what the ZeRO model predicts.
 #
 # **What we look at.** Measured bytes per rank next to the theory, how they fall with
 # the number of ranks, and where the two backends keep different things.
@@ -37,8 +37,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from helpers import facts, mapping, models, nb, plots, results
-from helpers.claims import claim
+from helpers import facts, nb
+from helpers.core import mapping, models
+from helpers.nb import plots, results
+from helpers.nb.claims import claim
 
 SIZE = nb.setup()
 # every mode at 2 ranks, the hybrids at 4; the fully sharded pair also at 1 and 4 ranks (how sharded state
@@ -56,7 +58,7 @@ print(f"size={SIZE}, ranks {WORLDS}")
 # %% [markdown]
 # ## The mapping, as data
 #
-# The table below is rendered from `helpers.mapping.MODES` — the same data the jobs
+# The table below is rendered from `helpers.core.mapping.MODES` — the same data the jobs
 # use for their theory numbers and that later drives config translation.
 
 # %%
@@ -381,7 +383,7 @@ recap
 # %% [markdown]
 # ## Appendix: the rest of a config, key by key
 #
-# Sharding is one row of a launch config. `helpers.mapping.SETTINGS` holds the others as
+# Sharding is one row of a launch config. `helpers.core.mapping.SETTINGS` holds the others as
 # data, and `python -m helpers.translate` reads it to turn an FSDP config into the DeepSpeed
 # one with the same settings (and back), with a warning and the nearest choice for every
 # setting that has no exact counterpart. "Exact" is about what a setting asks for, not about
@@ -435,7 +437,8 @@ claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["s
 # size of model: per-rank bytes for both backends, next to the measured bars of the runs above.
 
 # %%
-from helpers import mapping, widgets
+from helpers.core import mapping
+from helpers.nb import widgets
 
 widgets.ControlPanel("01", {key: mode.config for key, mode in mapping.MODES.items()},
                      args="$JOB", plot=widgets.plot_memory, selected=["full_shard", "zero3"], ranks=2)

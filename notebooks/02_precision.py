@@ -44,8 +44,9 @@ import json
 import os
 from pathlib import Path
 
-from helpers import facts, nb, plots, precision, results
-from helpers.claims import claim
+from helpers import facts, nb
+from helpers.nb import plots, results, tables
+from helpers.nb.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 40 if SIZE == "quick" else 100  # steps of the precision runs
@@ -90,7 +91,7 @@ low, mixed, ds = results.load_runs("notebooks/runs/02_full_shard_low_precision",
                                    "notebooks/runs/02_zero3")
 RUNS = {"FSDP low precision": low, "FSDP aligned": mixed, "DeepSpeed ZeRO-3": ds}
 NAMES = list(RUNS)
-drops = {n: precision.loss_drop(r.summary["losses"]) for n, r in RUNS.items()}
+drops = {n: tables.loss_drop(r.summary["losses"]) for n, r in RUNS.items()}
 fig, (left, right) = plots.plt.subplots(1, 2)
 plots.run_curves([low, mixed, ds], "loss", NAMES, ax=left, title=f"loss per step, lr {LR}")
 right.bar(NAMES, list(drops.values()), color=["#888", "#1f6fb4", "#d9480f"])
@@ -151,7 +152,7 @@ fig.tight_layout()
 # The fix that keeps the rate is the aligned mode (fp32 shards), at the memory cost of section 5.
 
 # %%
-d_scaled, d_low_hi, d_mixed_hi = (precision.loss_drop(r.summary["losses"]) for r in (scaled, low_hi, mixed_hi))
+d_scaled, d_low_hi, d_mixed_hi = (tables.loss_drop(r.summary["losses"]) for r in (scaled, low_hi, mixed_hi))
 claim(f"fix 1 moves the low-precision run: at lr {LR_SCALED} its drop is over 1.5x the drop at {LR}",
       d_scaled > 1.5 * drops["FSDP low precision"], drop_scaled=d_scaled, drop_low=drops["FSDP low precision"],
       drop_aligned=drops["FSDP aligned"])
@@ -170,13 +171,13 @@ claim("the larger the rate, the more of the low-precision run's bf16 weights cha
 # separate fp32 master, the weight the forward pass multiplied with (a forward hook), the
 # gradient autograd produced, the dtype of the reduction, the reduced gradient kept for
 # the step, the tensor and gradient the optimizer used, and Adam's states
-# (`helpers.precision.DtypeProbe`). Cells that contradict the seeds' table say so.
+# (`helpers.job.observe.precision.DtypeProbe`). Cells that contradict the seeds' table say so.
 
 # %%
 # NBVAL_CHECK_OUTPUT
 measured = {"fsdp_low": low.summary["dtypes"], "fsdp_mixed": mixed.summary["dtypes"],
             "deepspeed": ds.summary["dtypes"]}
-print(precision.dtype_table(measured).to_string())
+print(tables.dtype_table(measured).to_string())
 
 # %% [markdown]
 # **Reading it.** The seeds' table holds for the tensors the optimizer updates and for
@@ -192,7 +193,7 @@ print(precision.dtype_table(measured).to_string())
 
 # %%
 facts.show("deepspeed.zero3_bf16_dtypes", "torch.fsdp2_reduced_grad_in_shard_dtype")
-diffs = precision.seed_differences(measured)
+diffs = tables.seed_differences(measured)
 agree = [k for k in ("optimizer_param", "optimizer_states") if not any(d[0] == k for d in diffs)]
 claim("the tensors the optimizer updates and Adam's states match the seeds' table in every mode",
       agree == ["optimizer_param", "optimizer_states"], differences=diffs)
@@ -253,7 +254,7 @@ claim("the aligned FSDP and DeepSpeed curves of the bf16 weights coincide, step 
 # ## 5 · What the upcast costs
 #
 # Bytes each rank held after the backward pass of step 1, measured from the live tensors
-# (`memory_bytes`, `helpers.memory`).
+# (`memory_bytes`, `helpers.job.observe.memory`).
 
 # %%
 plots.run_memory_bars([low, mixed, ds], NAMES)
@@ -395,7 +396,7 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 # gradient, <!-- fact: torch.adam_divides_out_grad_scale --> but it is still there at the last step: "identical" is gone. FSDP has no clipping in its config
 # (the script calls `accelerator.clip_grad_norm_` itself); <!-- fact: accelerate.clipping_is_the_scripts --> our FSDP engine clips with
 # DeepSpeed's formula, the global norm in fp64 over the local grad shards, summed in ZeRO-3's
-# order, and the factor `1 / max((norm + 1e-6) / max_norm, 1)` (`helpers/backends/fsdp.py`). <!-- fact: deepspeed.zero3_grad_norm_fp64 -->
+# order, and the factor `1 / max((norm + 1e-6) / max_norm, 1)` (`helpers/job/backends/fsdp.py`). <!-- fact: deepspeed.zero3_grad_norm_fp64 -->
 # The line above says whether that matched DeepSpeed bit for bit here.
 #
 # ### Where exactly do two runs part? `helpers.compare`
@@ -404,7 +405,7 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 # where: the first step whose loss or gradient norm differs, bit for bit (exit status 1; 0
 # when identical). Jobs run with `--trace-tensors` also write, per step and per parameter, an
 # exact fingerprint and the dtype of the weight, the gradient before and after reduction, and
-# the update (`helpers/tensor_trace.py`); `compare` then names the first tensor that differs,
+# the update (`helpers/job/observe/tensor_trace.py`); `compare` then names the first tensor that differs,
 # its stage and its dtype on each side. It is the tool to reach for when two backends
 # disagree. Two demos: the stalling pair of section 1 (bf16-only vs aligned FSDP at lr `LR`,
 # `TRACE` steps each), and the clipping breaker above (DeepSpeed's implicit clip, the traced
@@ -513,7 +514,7 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 # sweeps four families.)
 
 # %%
-from helpers.families import FAMILIES, KNOWN_EXCEPTIONS  # noqa: E402
+from helpers.core.families import FAMILIES, KNOWN_EXCEPTIONS  # noqa: E402
 
 facts.show("deepspeed.zero3_no_sync_refused")
 
@@ -619,7 +620,7 @@ print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.d
 # watch where the bf16-only line stops stalling.
 
 # %%
-from helpers import widgets
+from helpers.nb import widgets
 
 widgets.ControlPanel("02", {"FSDP low precision": "launch_configs/fsdp/full_shard_low_precision.yaml",
                             "FSDP aligned": "launch_configs/fsdp/full_shard.yaml",

@@ -50,16 +50,18 @@
 # %%
 import os
 
-from helpers import facts, nb, offload, plots, results
-from helpers.claims import claim, step_times, timing
-from helpers.mapping import CATEGORIES
+from helpers import facts, nb
+from helpers.core.mapping import CATEGORIES
+from helpers.job import ops
+from helpers.nb import plots, results, tables
+from helpers.nb.claims import claim, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 4 if SIZE == "quick" else 10
 GPUS = nb.gpu_count()
 NPROC = min(GPUS, 2) if GPUS else 2  # offload needs no more ranks to show what it moves
 ARGS = "--model tiny --micro-batch 8 --seq-len 64"  # the tiny model: its sizes are printed below
-NVME_OK, NVME_STATE = offload.aio_status()
+NVME_OK, NVME_STATE = ops.aio_status()
 os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC), ARGS=ARGS, NVME="1" if NVME_OK else "0",
                   NVME_STATE=NVME_STATE)
 print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU only: device and host are the same RAM'})")
@@ -90,9 +92,9 @@ from pathlib import Path
 
 from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
 
+from helpers.core.models import resolve_model
 from helpers.estimate import is_persistent, persistence_threshold
-from helpers.models import resolve_model
-from helpers.wrap import meta_model
+from helpers.job.wrap import meta_model
 
 DS_JSONS = [f"launch_configs/{path}.json" for path in ("deepspeed/zero3", "deepspeed/zero3_offload_optimizer",
                                                         "deepspeed/zero3_offload", "deepspeed/zero3_nvme")]
@@ -171,14 +173,14 @@ else:
 CONFIGS = {"FSDP, no offload": "fsdp/full_shard", "FSDP offload": "fsdp/full_shard_offload",
            "DeepSpeed, no offload": "deepspeed/zero3", "DeepSpeed optimizer": "deepspeed/zero3_offload_optimizer",
            "DeepSpeed params + optimizer": "deepspeed/zero3_offload", "DeepSpeed NVMe": "deepspeed/zero3_nvme"}
-print(offload.settings_table(CONFIGS).to_string())
+print(tables.settings_table(CONFIGS).to_string())
 
 # %% [markdown]
 # ## Six runs
 #
 # Each run measures, after the backward pass of step 1, every tensor of the four kinds of
 # state on each rank and where it is (`memory_location_bytes` in `summary.json`,
-# `helpers.offload`): on a GPU from the tensor's device; on this machine from the backend's
+# `helpers.job.observe.offload`): on a GPU from the tensor's device; on this machine from the backend's
 # offload bookkeeping (FSDP2's `offload_to_cpu` per parameter, <!-- fact: torch.fsdp2_offload_policy_per_module --> DeepSpeed's
 # `offload_optimizer`/`offload_param` and each partition's final location); NVMe-swapped
 # states from the sizes of the rank's swap files on disk.
@@ -215,7 +217,7 @@ print(f"{len(RUNS)} runs loaded" + ("" if NVME_OK else f" (NVMe skipped: {NVME_S
 # MB held by rank 0, per kind of state, and where:
 
 # %%
-print(offload.location_table(RUNS).to_string())
+print(tables.location_table(RUNS).to_string())
 
 # %%
 axes = plots.location_bars(list(RUNS.values()), list(RUNS))
@@ -255,7 +257,7 @@ axes[0].figure.tight_layout()
 
 # %%
 def places(label, cat, rank=0):
-    return set(offload.where(RUNS[label], cat, rank))
+    return set(tables.where(RUNS[label], cat, rank))
 
 
 facts.show("torch.fsdp2_offload_policy_per_module", "deepspeed.zero3_offload_keys",
@@ -275,8 +277,8 @@ claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the
       and all(places("DeepSpeed optimizer", c, r) == {"host"}
               for c in ("optimizer_states", "master_params", "grads") for r in R))
 OPT_OFFLOADED = ["DeepSpeed optimizer"] + (["DeepSpeed NVMe"] if NVME_OK else [])
-host_grads = {label: [offload.where(RUNS[label], "grads", r)["host"] for r in R] for label in OPT_OFFLOADED}
-dev_grads = [sum(offload.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
+host_grads = {label: [tables.where(RUNS[label], "grads", r)["host"] for r in R] for label in OPT_OFFLOADED}
+dev_grads = [sum(tables.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
 fp32_master = [RUNS["DeepSpeed, no offload"].summary["memory_bytes"][r]["master_params"] for r in R]
 claim("after backward, DeepSpeed without offload holds the bf16 gradient partition only (half the fp32 master's "  # fact: deepspeed.offload_optimizer_keeps_fp32_grads
       "bytes: its fp32 copy is made during the step); with the optimizer offloaded (" + ", ".join(OPT_OFFLOADED)
@@ -285,8 +287,8 @@ claim("after backward, DeepSpeed without offload holds the bf16 gradient partiti
       and all(h - d == m for hs in host_grads.values() for h, d, m in zip(hs, dev_grads, fp32_master)),
       host_MB={k: [h / 1e6 for h in v] for k, v in host_grads.items()}, no_offload_MB=[d / 1e6 for d in dev_grads],
       fp32_master_MB=[m / 1e6 for m in fp32_master])
-both = [offload.where(RUNS["DeepSpeed params + optimizer"], "params", r) for r in R]
-alone = [offload.where(RUNS["DeepSpeed optimizer"], "params", r) for r in R]
+both = [tables.where(RUNS["DeepSpeed params + optimizer"], "params", r) for r in R]
+alone = [tables.where(RUNS["DeepSpeed optimizer"], "params", r) for r in R]
 persistent = SHAPES[RUNS["DeepSpeed params + optimizer"].summary["model"]]["persistent_bytes"]
 claim("adding offload_param moves the same param bytes to the host but for the persistent ones, which stay whole "  # fact: deepspeed.zero3_persistent_small_params
       "on the device (bf16 bytes of every parameter of at most the threshold's elements)",
@@ -295,7 +297,7 @@ claim("adding offload_param moves the same param bytes to the host but for the p
       host_MB=[b.get("host", 0) / 1e6 for b in both], device_MB=[b.get("device", 0) / 1e6 for b in both],
       persistent_MB=persistent / 1e6)
 if NVME_OK:
-    states = [offload.where(RUNS["DeepSpeed NVMe"], "optimizer_states", r) for r in R]
+    states = [tables.where(RUNS["DeepSpeed NVMe"], "optimizer_states", r) for r in R]
     claim("with NVMe the fp32 master is on disk and Adam's states too (all but the step counters)",  # fact: deepspeed.nvme_swaps_states_not_step
           all(places("DeepSpeed NVMe", "master_params", r) == {"disk"} for r in R)
           and all(st["disk"] > 1000 * st.get("host", 0) for st in states),
@@ -310,7 +312,7 @@ if NVME_OK:
                                                    and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
 
 # %% [markdown]
-# The disk bytes are the swap files themselves, each rank's own (`helpers.offload`
+# The disk bytes are the swap files themselves, each rank's own (`helpers.job.observe.offload`
 # reads `nvme_swap/zero_stage_3/*/rank{r}/*.swp`). <!-- fact: deepspeed.nvme_swap_file_paths --> Rank 0 has three: its fp32 master
 # partition, Adam's momentum and variance for it, each the size of the fp32 master the
 # no-offload run holds on rank 0, rounded up to DeepSpeed's I/O alignment (`AIO_ALIGNED_BYTES`): <!-- fact: deepspeed.aio_aligned_bytes -->
@@ -348,7 +350,7 @@ else:
 # swapper's alone are more than the bytes this run moved to disk (the check below):
 
 # %%
-totals = offload.location_totals(RUNS)
+totals = tables.location_totals(RUNS)
 totals["peak MB (rank 0)"] = [r.summary["peak_memory_bytes"][0] / 1e6 for r in RUNS.values()]
 print(totals.round(1).to_string())
 peak = {label: r.summary["peak_memory_bytes"][0] for label, r in RUNS.items()}
@@ -363,7 +365,7 @@ if NVME_OK:
     swap = NVME_JSON["zero_optimization"]["offload_param"]
     asked = swap["buffer_count"] * swap["buffer_size"] * 2
     buffers = RUNS["DeepSpeed NVMe"].summary["swap_buffer_bytes"]  # per rank: {params, optimizer}
-    on_disk = [sum(offload.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
+    on_disk = [sum(tables.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
     claim("on every rank the NVMe run's parameter swapper holds page-locked buffers of at least buffer_count x "  # fact: deepspeed.nvme_param_swapper_locked_buffers
           "buffer_size bf16 elements (their size read by the job), more bytes than the state the run moved to disk: "
           "here NVMe cannot have saved RAM", all(asked <= b["params"] and d < b["params"] for b, d in zip(buffers, on_disk)),
@@ -484,7 +486,7 @@ if not NVME_OK:
 # into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try the `small` model: its decoder-layer matrices are then over the persistence threshold (only their partitions are kept). <!-- fact: deepspeed.zero3_persistent_small_params -->
 
 # %%
-from helpers import widgets
+from helpers.nb import widgets
 
 widgets.ControlPanel("03", {"FSDP": "launch_configs/fsdp/full_shard.yaml",
                             "FSDP offload": "launch_configs/fsdp/full_shard_offload.yaml",

@@ -26,8 +26,8 @@
 #
 # **What we run.** Short jobs with `--profile`: every rank records a `torch.profiler` trace of
 # two steps after warm-up (`notebooks/runs/04_*/trace_rank{r}.json`). We read the traces
-# (`helpers.traces`) and draw, per rank, what the training thread computed and what went over
-# the wire (`helpers.plots.timeline`).
+# (`helpers.nb.traces`) and draw, per rank, what the training thread computed and what went over
+# the wire (`helpers.nb.plots.timeline`).
 #
 # | setting | config |
 # |---|---|
@@ -51,10 +51,12 @@
 # %%
 import os
 
-from helpers import facts, nb, plots, results, traces, wrap
-from helpers.claims import claim, step_times, timing
-from helpers.config import load_job_config
-from helpers.models import resolve_model
+from helpers import facts, nb
+from helpers.core.config import load_job_config
+from helpers.core.models import resolve_model
+from helpers.job import wrap
+from helpers.nb import plots, results, traces
+from helpers.nb.claims import claim, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
 facts.show("torch.fsdp2_gathers_synchronous", "deepspeed.zero3_async_all_gather")  # who waits for a gather on gloo
@@ -145,7 +147,7 @@ claim("with forward prefetch, block 1's gather starts before block 0's forward i
 # unit stays gathered, needed again at once, and the root holds no parameters here); <!-- fact: accelerate.fsdp2_keeps_root_tail_gathered -->
 # gradients are reduce-scattered once per unit that holds parameters. Prefetch changes *when*,
 # not *how many*. <!-- fact: torch.fsdp2_collective_counts -->
-# `helpers.wrap.expected_collectives` writes that down; the table is what the traces counted
+# `helpers.job.wrap.expected_collectives` writes that down; the table is what the traces counted
 # (rank 0, one step; MB = unsharded bytes moved, bf16 for gathers).
 
 # %%
@@ -230,7 +232,7 @@ for name, r in pf.items():
 # ## 4 · The unit choice: what FSDP asks you and DeepSpeed does not
 #
 # `fsdp_auto_wrap_policy` decides which modules become units, as `accelerate launch` decides with
-# `fsdp_version: 2` (`helpers.wrap` calls Accelerate's own policy function):
+# `fsdp_version: 2` (`helpers.job.wrap` calls Accelerate's own policy function):
 # `TRANSFORMER_BASED_WRAP` one per decoder block (the class comes from the model's
 # `_no_split_modules` unless `fsdp_transformer_layer_cls_to_wrap` names it), <!-- fact: accelerate.fsdp2_transformer_policy_units -->
 # `SIZE_BASED_WRAP` every module holding *more than* `fsdp_min_num_params` parameters in total,
@@ -393,7 +395,7 @@ print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all
 # into its own run directories (`notebooks/runs/panel_04_*`) and redraws what rank 0 holds next to the losses. Try 4 ranks or the `small` model and compare the memory bars.
 
 # %%
-from helpers import widgets
+from helpers.nb import widgets
 
 widgets.ControlPanel("04", {"FSDP no prefetch": "launch_configs/fsdp/full_shard_no_prefetch.yaml",
                             "FSDP prefetch": "launch_configs/fsdp/full_shard_prefetch.yaml",

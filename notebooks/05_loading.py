@@ -40,8 +40,10 @@ import os
 
 import pandas as pd
 
-from helpers import facts, loading, nb, plots, results
-from helpers.claims import claim
+from helpers import facts, nb
+from helpers.job import loading
+from helpers.nb import plots, results
+from helpers.nb.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: a smaller model, 2 ranks only
 MODEL, WORLDS = ("small", [2]) if SIZE == "quick" else ("medium", [2, 4])
@@ -179,14 +181,14 @@ for n in WORLDS:
 # for every parameter and buffer, and the state dict fills the parameters. <!-- fact: torch.to_empty_uninitialised -->
 # But RoPE's `inv_freq` is a **non-persistent** buffer: it is computed in `__init__` and never
 # saved, so no checkpoint restores it. <!-- fact: transformers.rope_buffers_non_persistent --> After `to_empty()` it holds whatever bytes were there:
-# the model runs, with no error, on wrong positions. `helpers.loading.fix_rotary` rebuilds
+# the model runs, with no error, on wrong positions. `helpers.job.loading.fix_rotary` rebuilds
 # such buffers from the config. See it on a tiny model:
 
 # %%
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from helpers.models import model_config, resolve_model  # noqa: E402
+from helpers.core.models import model_config, resolve_model  # noqa: E402
 
 facts.show("transformers.rope_buffers_non_persistent")
 cfg = model_config(resolve_model("tiny"))
@@ -233,7 +235,7 @@ for n in WORLDS:
 # while loading, per rank. Try 4 ranks, or ZeRO-3 init against naive loading.
 
 # %%
-from helpers import widgets
+from helpers.nb import widgets
 
 widgets.ControlPanel("05", {"naive": "launch_configs/fsdp/full_shard.yaml",
                             "RAM-efficient": "launch_configs/fsdp/full_shard_ram_efficient.yaml",

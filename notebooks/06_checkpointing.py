@@ -37,8 +37,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from helpers import checkpoint, facts, nb, plots, results
-from helpers.claims import claim
+from helpers import facts, nb
+from helpers.job import checkpoint
+from helpers.nb import plots, results
+from helpers.nb.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, a smaller model, fewer steps
 MODEL, K = ("tiny", 2) if SIZE == "quick" else ("tiny", 4)

@@ -28,7 +28,7 @@
 #
 # **What we look at.** Every job writes `tokens_per_s_per_rank`, `step_time_s` (median,
 # warm-up steps left out), `flops_per_token`, `peak_flops` and `mfu` into its
-# `summary.json` (`helpers.throughput`). We put them next to the seeds' GPU numbers and
+# `summary.json` (`helpers.job.observe.throughput`). We put them next to the seeds' GPU numbers and
 # ask what limits them here.
 
 # %%
@@ -36,8 +36,11 @@ import os
 
 import pandas as pd
 
-from helpers import facts, metrics, models, nb, plots, results, throughput
-from helpers.claims import claim, step_times, timing
+from helpers import facts, nb
+from helpers.core import metrics, models
+from helpers.job.observe import throughput
+from helpers.nb import plots, results
+from helpers.nb.claims import claim, step_times, timing
 
 SIZE = nb.setup()
 QUICK = SIZE == "quick"
@@ -68,7 +71,7 @@ print(f"size={SIZE}: pair {PAIR_STEPS} steps on {NPROC} ranks; sizes {SIZES}; ra
 #   projection `lm_head`, a real hidden x vocab matmul. <!-- fact: torch.embedding_is_lookup --> <!-- fact: transformers.llama_lm_head_untied_linear --> `12 L H Q T` is attention's two
 #   matmuls (`QK^T`, `AV`) over the sequence, not halved for the causal mask.
 # * **Peak**: on a GPU, the dense peak in the compute dtype by device name
-#   (`helpers.throughput.GPU_PEAK_TFLOPS`: bf16 A100 312, H100 SXM 989, H200 989 TFLOPS, ...;
+#   (`helpers.job.observe.throughput.GPU_PEAK_TFLOPS`: bf16 A100 312, H100 SXM 989, H200 989 TFLOPS, ...;
 #   plain fp32 for fp32 jobs, as torch keeps TF32 off for matmuls: H100 67) <!-- fact: torch.tf32_off_for_matmuls -->, or `--peak-tflops` for one
 #   the table lacks (written for, not yet run on, a GPU). On a CPU there is no data sheet to trust,
 #   so each job **measures** it at start: rank 0 alone times a 512x512 matmul in the job's
@@ -339,7 +342,7 @@ recap.round(3)
 # into its own run directories (`notebooks/runs/panel_07_*`) and redraws tokens/s per rank and MFU. Try the `small` model, or 1 and 4 ranks (on a CPU, ranks share the cores).
 
 # %%
-from helpers import widgets
+from helpers.nb import widgets
 
 widgets.ControlPanel("07", {"FSDP": "launch_configs/fsdp/full_shard.yaml",
                             "DeepSpeed": "launch_configs/deepspeed/zero3.yaml"},

@@ -51,8 +51,9 @@ import pandas as pd
 import yaml
 
 from helpers import estimate as est
-from helpers import nb, plots, results
-from helpers.claims import claim, step_times, timing
+from helpers import nb
+from helpers.nb import plots, results
+from helpers.nb.claims import claim, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the tiny model, shorter timing runs
 GPUS = nb.gpu_count()
@@ -552,7 +553,7 @@ claim("every FSDP row but the offload rows is within 10%, or is one of two ident
 # ## Every mode, three models, one to four ranks
 #
 # This notebook's runs are one model at one world size. `benchmarks/estimate_grid.py` ran the
-# nine sharding modes of `helpers.mapping.MODES` (their shipped configs: no offload, no
+# nine sharding modes of `helpers.core.mapping.MODES` (their shipped configs: no offload, no
 # checkpointing, DeepSpeed's default bucket) on `tiny`, `small` and `medium`, at 1, 2 and 4 ranks
 # (where the mode runs at that world size) and two micro-batches (the cell prints them)
 # and stored
@@ -647,7 +648,7 @@ claim("every row beyond 10% on its worst rank has more than one rank and was run
 # another budget, change `BUDGET_GIB` in the first cell and run the notebook again.
 
 # %%
-from helpers import widgets
+from helpers.nb import widgets
 
 widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
                             "FULL_SHARD + checkpointing": "launch_configs/fsdp/full_shard_ac.yaml"}, args="$TARGS")

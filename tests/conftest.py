@@ -51,7 +51,7 @@ def module_cmd(module: str, args: list, nproc: int = 2) -> list[str]:
 
 
 def job_cmd(config: str, out: Path, nproc: int = 2, *extra: str) -> list[str]:
-    """``module_cmd`` for helpers.train."""
+    """``module_cmd`` for helpers.job.run."""
     return module_cmd("helpers.train", ["--config", config, "--out", out, *extra], nproc)
 
 

@@ -12,7 +12,7 @@ in the flat buffer: DeepSpeed's ``param_alignment_paddings``. Two steps, then:
 - OUT/truth.pt: every trainable parameter's fp32 master and Adam state, read from the live engine;
 - OUT/to_fsdp, OUT/back: ``helpers.convert`` of step_2 to FSDP (DCP), and of that back to DeepSpeed;
 - step 3 twice: by the engine that saved (OUT/loss3_save.json), and by a fresh engine that imported
-  OUT/back/full.pt through helpers.checkpoint (OUT/loss3_resume.json). Exact resume: the two are equal.
+  OUT/back/full.pt through helpers.job.checkpoint (OUT/loss3_resume.json). Exact resume: the two are equal.
 """
 
 import json
@@ -27,8 +27,8 @@ import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from helpers import safeload  # noqa: E402
-from helpers.models import model_config, resolve_model  # noqa: E402
+from helpers.core import safeload  # noqa: E402
+from helpers.core.models import model_config, resolve_model  # noqa: E402
 
 SUB_GROUP = 20_000  # elements: each rank's ZeRO-3 partition falls into several sub-groups
 FROZEN = "model.layers.0.mlp."
@@ -40,7 +40,7 @@ def build(stage: int, state: dict | None = None):
     cfg.tie_word_embeddings = True
     cfg.attention_bias, cfg.head_dim, cfg.num_key_value_heads = True, 6, 1  # 6-element k/v biases: paddings
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    if state is not None:  # weights before initialize, as helpers.checkpoint.before_backend does
+    if state is not None:  # weights before initialize, as helpers.job.checkpoint.before_backend does
         missing = model.load_state_dict(state["model"], strict=False).missing_keys
         assert missing == ["lm_head.weight"], missing  # the alias of the tied embedding
     for n, p in model.named_parameters():
@@ -76,14 +76,14 @@ def main():
     engine = build(stage)
     for s in (1, 2):
         train(engine, s)
-    ck = out / "step_2"  # the guide's layout (helpers.checkpoint): DeepSpeed's files in ds/ds, then meta.json
+    ck = out / "step_2"  # the guide's layout (helpers.job.checkpoint): DeepSpeed's files in ds/ds, then meta.json
     engine.save_checkpoint(str(ck / "ds"), tag="ds")
     truth = {n: {"w": safe_get_full_fp32_param(p).clone(),
                  **{k: safe_get_full_optimizer_state(p, k).clone() for k in ("exp_avg", "exp_avg_sq")}}
              for n, p in engine.module.named_parameters() if p.requires_grad}
     if rank == 0:
-        from helpers.checkpoint import META, param_shapes
         from helpers.convert import convert
+        from helpers.job.checkpoint import META, param_shapes
 
         (ck / META).write_text(json.dumps({"format": "deepspeed", "backend": "deepspeed", "world_size": 2, "step": 2,
                                            "model": "tiny", "param_shapes": param_shapes(engine.module),
@@ -96,7 +96,7 @@ def main():
     state = safeload.load(out / "back" / "full.pt", "full")
     fresh = build(stage, state)
 
-    from helpers.checkpoint import _import_deepspeed
+    from helpers.job.checkpoint import _import_deepspeed
 
     _import_deepspeed(SimpleNamespace(engine=fresh, module=fresh.module), state)
     losses["resume"] = train(fresh, 3)

@@ -1,4 +1,4 @@
-"""Activation checkpointing (helpers.recompute): one mechanism per job, the same losses, fewer held bytes.
+"""Activation checkpointing (helpers.job.recompute): one mechanism per job, the same losses, fewer held bytes.
 
 Parity runs go through helpers.families (one process group per config, a few families, 3 steps), the
 same sweep tests/test_families.py uses for the aligned pair; then one job per backend shows log.txt,
@@ -13,12 +13,12 @@ import pytest
 import torch
 from conftest import FSDP, REPO, ZERO3, run_families, run_job, summary
 
-from helpers import recompute
 from helpers.compare import compare
-from helpers.config import ConfigError, load_job_config, unapplied_notes
-from helpers.families import write_config
-from helpers.memory import SavedActivations
-from helpers.models import build_model, decoder_layers, resolve_model
+from helpers.core.config import ConfigError, load_job_config, unapplied_notes
+from helpers.core.families import write_config
+from helpers.core.models import build_model, decoder_layers, resolve_model
+from helpers.job import recompute
+from helpers.job.observe.memory import SavedActivations
 from helpers.translate import translate
 
 FSDP_AC = "launch_configs/fsdp/full_shard_ac.yaml"

@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import FSDP, REPO, ZERO3, job_env, run_job, summary
 
-from helpers.checkpoint import read_meta
 from helpers.convert import convert, read_consolidated
+from helpers.job.checkpoint import read_meta
 
 TINY = ("--model", "tiny", "--steps", "6")
 ZERO2, ZERO0 = "launch_configs/deepspeed/zero2.yaml", "launch_configs/deepspeed/zero0.yaml"
@@ -98,7 +98,7 @@ def test_converter_weights_equal_zero_to_fp32(ckpt):
     """Every ZeRO 1-3 checkpoint the conversions here read: our weights are DeepSpeed's own reader's, bit for bit."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from helpers import safeload
+    from helpers.core import safeload
 
     base, _ = ckpt
     for ck in (base / "ds_ck" / "step_3", base / "z2_ck" / "step_6"):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers.claims import ClaimFailed, claim, timing
+from helpers.nb.claims import ClaimFailed, claim, timing
 
 
 def test_a_true_claim_prints_its_numbers(capsys):

@@ -9,7 +9,7 @@ import torch
 from conftest import FSDP, REPO, job_env, run_job
 
 from helpers.compare import compare
-from helpers.tensor_trace import _MODS, fingerprint
+from helpers.job.observe.tensor_trace import _MODS, fingerprint
 
 LOW = "launch_configs/fsdp/full_shard_low_precision.yaml"
 

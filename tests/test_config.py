@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import FSDP, REPO, ZERO3, job_env, run_job
 
-from helpers.config import ConfigError, load_job_config
+from helpers.core.config import ConfigError, load_job_config
 
 SHIPPED = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch_configs").rglob("*.yaml"))
 
@@ -145,7 +145,7 @@ def test_key_sets_are_accelerates_own():
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import launch_command_parser
 
-    from helpers import config
+    from helpers.core import config
 
     keys = config.accelerate_keys()
     assert keys[""] == {f.name for f in dataclasses.fields(ClusterConfig)}
@@ -190,7 +190,7 @@ parallelism_config:
 def test_every_accelerate_key_is_accepted_with_one_note(tmp_path):
     (tmp_path / "c.yaml").write_text(LISTED)
     job = load_job_config(str(tmp_path / "c.yaml"))
-    from helpers.config import unapplied_notes
+    from helpers.core.config import unapplied_notes
 
     notes = unapplied_notes(job)
     named = [n.split(" = ")[0] for n in notes]

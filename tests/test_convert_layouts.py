@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import REPO, job_env
 
-from helpers import safeload
-from helpers.checkpoint import read_meta
 from helpers.convert import read_consolidated
+from helpers.core import safeload
+from helpers.job.checkpoint import read_meta
 
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["zero3_subgroups", "zero2_paddings"])

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, job_env, run_job, summary
 
 from helpers import estimate as est
-from helpers.mapping import CATEGORIES
+from helpers.core.mapping import CATEGORIES
 
 FS = "launch_configs/fsdp/full_shard.yaml"
 
@@ -103,7 +103,7 @@ def test_state_bytes_equal_a_real_job_exactly(tmp_path, config, ranks):
 
 
 def test_widget_uses_the_same_offload_rules():
-    from helpers import widgets
+    from helpers.nb import widgets
 
     w = widgets.estimate(1_000_000, 4, "SHARD_GRAD_OP / ZeRO-1", True, "bf16 mixed (fp32 shards / master)")
     moved = est.offloaded("zero1", offload=True)

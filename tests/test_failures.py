@@ -10,10 +10,10 @@ import time
 import pytest
 from conftest import FSDP, run_job, start_job, summary
 
-from helpers.guard import LOCK, OutDirError, claim_out_dir, error_file, read_report
-from helpers.results import RunError, load_run
+from helpers.job.guard import LOCK, OutDirError, claim_out_dir, error_file, read_report
+from helpers.nb.results import RunError, load_run
 
-FAIL_RANK_1 = {"GUIDE_FAIL_RANK": "1", "GUIDE_FAIL_STEP": "2"}  # test hooks, see helpers.guard
+FAIL_RANK_1 = {"GUIDE_FAIL_RANK": "1", "GUIDE_FAIL_STEP": "2"}  # test hooks, see helpers.job.guard
 TINY = ("--model", "tiny", "--steps", "4")
 
 
@@ -102,7 +102,7 @@ def test_hung_rank_ends_the_job_within_the_timeout(tmp_path):
     assert s["status"] == "failed" and s["failed_rank"] is None and s["steps"] == 2, s
     assert s["reason"].startswith("timed out: no training step finished for 30 s (--timeout 30) at step 2")
     assert job.text.count("error: timed out") == 1
-    assert re.search(r"rank 1: helpers/guard.py:\d+ in fault_hook", job.text), job.text[-4000:]
+    assert re.search(r"rank 1: helpers/job/guard.py:\d+ in fault_hook", job.text), job.text[-4000:]
     assert re.search(r"rank 0: \S*torch/distributed/\S+ in all_gather", job.text), job.text[-4000:]
     # the hung rank can only be ended by its own watchdog, which leaves a timeout report
     hung = read_report(error_file(out, 1))
@@ -170,7 +170,7 @@ def test_out_dir_lock_lives_as_long_as_its_holder(tmp_path):
 def test_a_rank_that_reported_then_exited_is_not_called_silent(tmp_path, monkeypatch):
     """Rank 0 reads the reports, rank 1 writes its own and exits, rank 0 then finds rank 1 dead: its report
     (final once it is dead) decides, not 'died without reporting an error'."""
-    from helpers import guard
+    from helpers.job import guard
 
     (tmp_path / "config.json").write_text("{}")
     dead = subprocess.Popen(["true"])

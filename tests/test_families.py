@@ -11,7 +11,7 @@ import pytest
 from conftest import FSDP, REPO, ZERO3, run_families
 
 from helpers.compare import compare
-from helpers.families import FAMILIES, KNOWN_EXCEPTIONS
+from helpers.core.families import FAMILIES, KNOWN_EXCEPTIONS
 
 STEPS = 3
 

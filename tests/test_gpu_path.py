@@ -1,8 +1,8 @@
 """What would break under nccl on a GPU, made visible on a CPU (issue 23).
 
-An nccl process group serves only GPU tensors. ``helpers.comm.CollectiveCheck(simulate_accelerator=True)``
+An nccl process group serves only GPU tensors. ``helpers.job.comm.CollectiveCheck(simulate_accelerator=True)``
 treats the (gloo) group as serving no CPU tensor, so a collective on a CPU tensor fails here as it would
-there; only the copies ``helpers.comm`` places on "the group's device" pass. The other tests pin the
+there; only the copies ``helpers.job.comm`` places on "the group's device" pass. The other tests pin the
 GPU-only branches (allocator peaks, fp32 peaks, Adam's host-side step counter, backward-thread
 collectives, one GPU per rank) with the GPU calls replaced by stand-ins.
 """
@@ -14,8 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import comm, loading, memory, nb, offload, precision, throughput, traces
-from helpers.backends.fsdp import FSDPEngine
+from helpers import nb
+from helpers.job import comm, loading
+from helpers.job.backends.fsdp import FSDPEngine
+from helpers.job.observe import memory, offload, precision, throughput
+from helpers.nb import traces
 
 
 @pytest.fixture
@@ -65,7 +68,7 @@ def test_fsdp_grad_norm_of_host_grads_reduces_on_the_group_device(world1):
 def test_updated_fraction_is_summed_on_the_job_device(monkeypatch):
     # the tracker's counts stay where the shards are (the host, under offload); the job sums them with the
     # step's other numbers in one all-reduce, on the job's device (a GPU run's nccl group serves no CPU tensor)
-    from helpers.train import sum_over_ranks
+    from helpers.job.run import sum_over_ranks
 
     old, new = torch.zeros(4), torch.tensor([0.0, 1.0, 0.0, 0.0])
     tracker = object.__new__(precision.UpdateTracker)
@@ -164,7 +167,7 @@ def test_notebooks_take_rank_counts_from_the_machine(monkeypatch):
 def test_checkpoint_dir_that_another_node_cannot_see_is_named(world1, tmp_path, monkeypatch):
     from pathlib import Path
 
-    from helpers.checkpoint import CheckpointError, save
+    from helpers.job.checkpoint import CheckpointError, save
 
     monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: None)  # as if rank 0 made it on its own node
     with pytest.raises(CheckpointError, match=r"\.step_2\.tmp is not visible on rank 0 .*every node shares"):
@@ -174,7 +177,7 @@ def test_checkpoint_dir_that_another_node_cannot_see_is_named(world1, tmp_path, 
 def test_tensor_trace_sums_host_shards_on_the_group_device(world1, monkeypatch):
     # FSDP2 CPU offload: every shard (and so the step's fingerprints) lives on the host; the step's one
     # all-reduce must still hand nccl a device tensor (the parameters' device is the CPU there)
-    from helpers.tensor_trace import TensorTracer
+    from helpers.job.observe.tensor_trace import TensorTracer
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # "2 ranks": the tracer reduces
     tracer = TensorTracer("unused", rank=1, world_size=2)  # rank 1 writes nothing
@@ -194,7 +197,7 @@ def test_ram_efficient_loading_under_offload_fills_host_shards(world1, tmp_path)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from helpers.models import resolve_model
+    from helpers.core.models import resolve_model
 
     loading.save_preset("tiny", str(tmp_path), seed=3)
     spec = resolve_model(str(tmp_path))
@@ -217,9 +220,9 @@ def test_peak_table_tells_h200_nvl_and_mig_slices_apart():
 def test_apply_fsdp_upcasts_where_the_model_is_and_moves_no_whole_model(world1, monkeypatch):
     # on a GPU the old apply_fsdp moved the whole model to the device and upcast it there (4 bytes a parameter on
     # every rank before sharding); Accelerate upcasts on the host and fully_shard moves one unit at a time
-    from helpers.backends.fsdp import apply_fsdp
-    from helpers.config import load_job_config
-    from helpers.models import build_model, resolve_model
+    from helpers.core.config import load_job_config
+    from helpers.core.models import build_model, resolve_model
+    from helpers.job.backends.fsdp import apply_fsdp
 
     model = build_model(resolve_model("tiny"), dtype=torch.bfloat16, seed=0)
     moved, to = [], torch.nn.Module.to

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO
 
-from helpers import config
-from helpers.backends.fsdp import set_prefetch
-from helpers.config import ConfigError, accelerate_keys, load_job_config, no_effect_reason, unapplied_notes
+from helpers.core import config
+from helpers.core.config import ConfigError, accelerate_keys, load_job_config, no_effect_reason, unapplied_notes
+from helpers.job.backends.fsdp import set_prefetch
 
 # key ("section.key"; the JSON's sub-keys as "activation_checkpointing.KEY") -> the test that shows its effect
 EFFECTS = {

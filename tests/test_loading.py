@@ -4,8 +4,8 @@ way costs per rank (the claims of notebooks/05_loading, on the `small` preset as
 import pytest
 from conftest import FSDP, run_job, summary
 
-from helpers.loading import save_preset
-from helpers.models import PRESETS, count_params, model_config, resolve_model
+from helpers.core.models import PRESETS, count_params, model_config, resolve_model
+from helpers.job.loading import save_preset
 
 CONFIGS = {"naive": "launch_configs/fsdp/full_shard.yaml",
            "fsdp_ram_efficient": "launch_configs/fsdp/full_shard_ram_efficient.yaml",

@@ -3,9 +3,9 @@
 import pytest
 from conftest import REPO, run_job, summary
 
-from helpers.config import load_job_config
-from helpers.mapping import CATEGORIES, MODES, mode_key, theory_bytes
-from helpers.models import PRESETS, model_config, resolve_model
+from helpers.core.config import load_job_config
+from helpers.core.mapping import CATEGORIES, MODES, mode_key, theory_bytes
+from helpers.core.models import PRESETS, model_config, resolve_model
 
 SMALL_FAST = ("--model", "small", "--steps", "2", "--micro-batch", "1", "--seq-len", "32")
 

@@ -1,4 +1,4 @@
-"""--memory-budget-gib: a job that fits says so; one that does not stops with one line (helpers.tensor_peak)."""
+"""--memory-budget-gib: a job that fits says so; one that does not stops with one line (helpers.job.observe.tensor_peak)."""
 
 import re
 import subprocess
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import FSDP, REPO, job_cmd, job_env, run_job, summary
 
-from helpers.guard import JobStop
-from helpers.tensor_peak import over_budget
+from helpers.job.guard import JobStop
+from helpers.job.observe.tensor_peak import over_budget
 
 GIB = 2**30
 
@@ -27,7 +27,7 @@ def test_over_budget_names_the_largest_rank():
 def test_gpu_out_of_memory_becomes_one_line():
     import torch
 
-    from helpers.train import budget_verdict
+    from helpers.job.run import budget_verdict
 
     s = SimpleNamespace(args=Namespace(memory_budget_gib=0.5), start_step=0, records=[{}, {}], rank=1, in_loop=True)
     stop = budget_verdict(s, torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate ..."))

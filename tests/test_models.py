@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from helpers.models import (
+from helpers.core.models import (
     PRESETS,
     ModelSpecError,
     build_model,

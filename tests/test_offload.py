@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import FSDP, REPO, ZERO3, run_job, summary
 
-from helpers import offload
-from helpers.config import load_job_config
-from helpers.mapping import CATEGORIES
+from helpers.core.config import load_job_config
+from helpers.core.mapping import CATEGORIES
+from helpers.job import ops
+from helpers.job.observe import offload
 
 CONFIGS = {
     "full_shard": FSDP,
@@ -25,7 +26,7 @@ CONFIGS = {
     "zero3_offload": "launch_configs/deepspeed/zero3_offload.yaml",
     "zero3_nvme": "launch_configs/deepspeed/zero3_nvme.yaml",
 }
-NVME_OK, NVME_STATE = offload.aio_status()
+NVME_OK, NVME_STATE = ops.aio_status()
 STARTED = time.time()  # before this file's jobs
 needs_nvme = pytest.mark.skipif(not NVME_OK, reason=f"NVMe offload: {NVME_STATE}")
 
@@ -139,13 +140,13 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
 
 @needs_nvme
 def test_deepspeed_swaps_with_our_async_io_built_as_one_file_without_debug_info(offload_runs):
-    """The NVMe job above loaded (or built) helpers.offload's build of async_io; DeepSpeed compiled no other."""
+    """The NVMe job above loaded (or built) helpers.job.observe.offload's build of async_io; DeepSpeed compiled no other."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
     from torch.utils.cpp_extension import _get_build_directory
 
-    ours = offload.load_aio()
+    ours = ops.load_aio()
     assert AsyncIOBuilder().load(verbose=False) is ours  # what DeepSpeed's swappers get in a process that loaded ours
-    built = Path(_get_build_directory(offload.AIO_OP, verbose=False))
+    built = Path(_get_build_directory(ops.AIO_OP, verbose=False))
     cflags = next(line for line in (built / "build.ninja").read_text().splitlines() if line.startswith("cflags ="))
     assert "-O0" in cflags.split() and "-g" not in cflags.split(), cflags
     objects = sorted(f.name for f in built.glob("*.o"))  # py_lib's nine sources as one, common's three alone

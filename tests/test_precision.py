@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import FSDP, REPO, ZERO3, run_job, summary
 
-from helpers.config import ConfigError, load_job_config
+from helpers.core.config import ConfigError, load_job_config
 
 LOW = "launch_configs/fsdp/full_shard_low_precision.yaml"
 TINY = ("--model", "tiny")

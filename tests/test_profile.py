@@ -3,10 +3,11 @@
 import pytest
 from conftest import FSDP, REPO, run_job, summary
 
-from helpers import traces, wrap
-from helpers.config import ConfigError, load_job_config
-from helpers.models import resolve_model
-from helpers.profiling import PROFILE_STEPS
+from helpers.core.config import ConfigError, load_job_config
+from helpers.core.models import resolve_model
+from helpers.job import wrap
+from helpers.job.observe.profiling import PROFILE_STEPS
+from helpers.nb import traces
 
 DS_NO_PREFETCH = "launch_configs/deepspeed/zero3_no_prefetch.yaml"
 SIZE_WRAP = "launch_configs/fsdp/full_shard_size_wrap.yaml"
@@ -114,7 +115,7 @@ def test_wrap_policies_give_accelerates_units():
 def test_tied_embeddings_share_the_tail_unit():
     from transformers import AutoModelForCausalLM
 
-    from helpers.models import model_config
+    from helpers.core.models import model_config
 
     cfg = model_config(resolve_model("tiny"))
     cfg.tie_word_embeddings = True

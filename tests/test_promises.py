@@ -8,8 +8,9 @@ import shutil
 import pytest
 from conftest import FSDP, REPO, run_job, summary
 
-from helpers import progress, train
-from helpers.results import RunError, load_run
+from helpers.job import run as train
+from helpers.job.observe import progress
+from helpers.nb.results import RunError, load_run
 
 CLIP_STEPS = 6
 

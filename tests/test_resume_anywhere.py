@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import REPO, run_job, summary
 
-from helpers.checkpoint import read_meta
 from helpers.convert import convert, read_consolidated
-from helpers.models import PRESETS
+from helpers.core.models import PRESETS
+from helpers.job.checkpoint import read_meta
 
 FSDP = "launch_configs/fsdp/full_shard.yaml"
 FSDP_FP32 = ("launch_configs/fsdp/full_shard_low_precision.yaml", "--model-dtype", "fp32")

@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import FSDP, REPO, job_env, run_job
 
-from helpers import safeload
-from helpers.checkpoint import read_meta
+from helpers.core import safeload
+from helpers.job.checkpoint import read_meta
 
 ONE = ("--model", "tiny", "--steps", "2", "--checkpoint-every", "1")
 KINDS = {  # name -> (config that saves it, config that resumes it)
@@ -146,7 +146,7 @@ def test_untouched_checkpoints_read_safely(saved, kind, tmp_path):
 def test_poisoned_pretrained_bin_is_refused(tmp_path):
     """--model DIR: a pickled pytorch_model.bin that would run code is refused before the job starts;
     a clean one passes the same scan (transformers then reads it with weights_only=True)."""
-    from helpers.models import model_config, resolve_model
+    from helpers.core.models import model_config, resolve_model
 
     d, marker = tmp_path / "model", tmp_path / "MARKER"
     model_config(resolve_model("tiny")).save_pretrained(d)

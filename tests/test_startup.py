@@ -5,7 +5,7 @@ import sys
 
 PROBE = """
 import sys, torch
-from helpers.backends.deepspeed import MUON, _import_muon_eagerly
+from helpers.job.backends.deepspeed import MUON, _import_muon_eagerly
 from deepspeed.runtime import compiler
 before = compiler.compile
 _import_muon_eagerly({OPT})

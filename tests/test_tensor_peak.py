@@ -1,4 +1,4 @@
-"""peak_tensor_bytes: exact on a synthetic workload, bounded by what a real job holds (helpers.tensor_peak)."""
+"""peak_tensor_bytes: exact on a synthetic workload, bounded by what a real job holds (helpers.job.observe.tensor_peak)."""
 
 import subprocess
 import sys
@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import REPO, job_env, run_job, summary
 
-from helpers.memory import PeakMemory
-from helpers.models import PRESETS
+from helpers.core.models import PRESETS
+from helpers.job.observe.memory import PeakMemory
 
 SNIPPET = """
 import torch
-from helpers.tensor_peak import CpuTensorPeak
+from helpers.job.observe.tensor_peak import CpuTensorPeak
 t = CpuTensorPeak(); t.start()
 keep = torch.zeros(1000)              # 4000 bytes, alive when the window starts: counted
 gone = torch.zeros(50_000); del gone  # 200000 bytes freed before the window: not counted
@@ -26,8 +26,8 @@ print(t.stop())
 
 SAVE_SNIPPET = """
 import torch
-from helpers.memory import PeakMemory
-from helpers.tensor_peak import CpuTensorPeak
+from helpers.job.observe.memory import PeakMemory
+from helpers.job.observe.tensor_peak import CpuTensorPeak
 t = CpuTensorPeak(); t.start()
 t.mark()
 a = torch.zeros(2000)                        # 8000: training

@@ -7,10 +7,11 @@ import pytest
 import torch
 from conftest import FSDP, ZERO3, run_job, summary
 
-from helpers import models, progress, throughput
-from helpers.config import ConfigError, TrainOptions, adamw_kwargs, load_job_config
-from helpers.metrics import WARMUP_STEPS
-from helpers.train import optimizer_impl
+from helpers.core import models
+from helpers.core.config import ConfigError, TrainOptions, adamw_kwargs, load_job_config
+from helpers.core.metrics import WARMUP_STEPS
+from helpers.job.observe import progress, throughput
+from helpers.job.run import optimizer_impl
 
 
 def hand_count(vocab, h, inter, layers, heads, seq, tied=False):

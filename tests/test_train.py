@@ -10,8 +10,8 @@ import textwrap
 import pytest
 from conftest import FSDP, REPO, job_env, run_job, summary
 
-from helpers.metrics import STEP_KEYS, SUMMARY_KEYS, WARMUP_STEPS
-from helpers.results import RunError, load_run
+from helpers.core.metrics import STEP_KEYS, SUMMARY_KEYS, WARMUP_STEPS
+from helpers.nb.results import RunError, load_run
 
 
 def test_fsdp_and_zero3_train_bit_identically(tiny_pair):

@@ -10,8 +10,8 @@ import sys
 import pytest
 from conftest import REPO, job_env, run_job, summary
 
-from helpers import recompute
-from helpers.config import ConfigError, load_job_config
+from helpers.core.config import ConfigError, load_job_config
+from helpers.job import recompute
 from helpers.translate import check, translate
 
 SHIPPED = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch_configs").rglob("*.yaml"))
@@ -176,7 +176,7 @@ def ds_job(tmp_path, js, **overrides):
 
 
 def test_auto_values_are_filled_and_reported(tmp_path):
-    from helpers.backends.deepspeed import resolved_ds_config
+    from helpers.job.backends.deepspeed import resolved_ds_config
 
     js = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "bf16": {"enabled": "auto"},

@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from helpers.offload import AIO_OP
-from helpers.warmup import clear_stale_locks
+from helpers.job.ops import AIO_OP, clear_stale_locks
 
 
 def _lock(root, name, age_s):

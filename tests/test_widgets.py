@@ -12,7 +12,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from helpers import widgets  # noqa: E402
+from helpers.nb import widgets  # noqa: E402
 
 BF16 = "bf16 mixed (fp32 shards / master)"
 

@@ -3,7 +3,7 @@
 import pytest
 from conftest import FSDP, ZERO3, run_job, run_module
 
-from helpers.results import load_run
+from helpers.nb.results import load_run
 
 STEPS = ("--model", "tiny", "--steps", "3")
 

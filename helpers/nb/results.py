@@ -24,7 +24,7 @@ class Run:
     path: Path
     config: dict
     summary: dict
-    metrics: pd.DataFrame  # one row per step, columns helpers.metrics.STEP_KEYS
+    metrics: pd.DataFrame  # one row per step, columns helpers.core.metrics.STEP_KEYS
 
     @property
     def backend(self) -> str:

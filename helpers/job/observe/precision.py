@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .models import clean_fqn
+from helpers.core.models import clean_fqn
 
 SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
@@ -53,7 +53,7 @@ def short(dtype) -> str | None:
 
 def probe_target(model) -> tuple[str, torch.nn.Module, str]:
     """(fully qualified name, owning module, attribute) of the first 2-D weight in the first block."""
-    from .models import decoder_layers
+    from helpers.core.models import decoder_layers
 
     block = decoder_layers(model)[0]
     prefix = next(n for n, m in model.named_modules() if m is block)
@@ -245,59 +245,3 @@ class UpdateTracker:
             counts[2] += new.numel()
         self._before = None
         return counts
-
-
-# ----------------------------------------------------------------- the seeds' table, next to the measurement
-
-PRECISION_MODES = {"fsdp_low": "FSDP low precision", "fsdp_mixed": "FSDP aligned (mixed)",
-                   "deepspeed": "DeepSpeed ZeRO-3"}
-# The seeds' precision table (shared/REFERENCE.md) as claims about probe rows:
-# probe key -> (the seed's row, FSDP low precision, FSDP mixed, DeepSpeed).
-SEED_TABLE = {
-    "loaded": ("model loaded as", "bf16", "bf16", "bf16"),
-    "stored_param": ("flat/sharded params prepared as", "bf16", "fp32", "fp32"),
-    "optimizer_param": ("flat/sharded params prepared as", "bf16", "fp32", "fp32"),
-    "forward_weight": ("forward/backward compute", "bf16", "bf16", "bf16"),
-    "grad_before_reduce": ("forward/backward compute", "bf16", "bf16", "bf16"),
-    "optimizer_states": ("optimizer states and step", "bf16", "fp32", "fp32"),
-}
-
-
-def seed_claim(key: str, mode: str) -> str | None:
-    row = SEED_TABLE.get(key)
-    return row[1 + list(PRECISION_MODES).index(mode)] if row else None
-
-
-def seed_differences(dtypes: dict[str, dict]) -> list[tuple[str, str, str, str]]:
-    """(probe key, mode, measured, seed) wherever a run's ``dtypes`` contradicts the seeds' table."""
-    out = []
-    for mode, d in dtypes.items():
-        for key in SEED_TABLE:
-            claim = seed_claim(key, mode)
-            if d.get(key) != claim:
-                out.append((key, mode, d.get(key), claim))
-    return out
-
-
-def dtype_table(dtypes: dict[str, dict]):
-    """Measured dtypes (rows: probe keys; columns: modes), each cell marked where it differs from the seeds.
-
-    ``dtypes`` maps a PRECISION_MODES key to a run's ``summary["dtypes"]``. A cell reads
-    ``bf16``, ``-`` (no such tensor), or ``bf16 != seed fp32``.
-    """
-    import pandas as pd
-
-    rows = {}
-    for key in PROBE_KEYS:
-        row = {"seed's row": SEED_TABLE[key][0] if key in SEED_TABLE else ""}
-        for mode, d in dtypes.items():
-            got, claim = d.get(key) or "-", seed_claim(key, mode)
-            row[PRECISION_MODES[mode]] = got if claim in (None, got) else f"{got} != seed {claim}"
-        rows[key] = row
-    return pd.DataFrame.from_dict(rows, orient="index")
-
-
-def loss_drop(losses: list[float], last: int = 10) -> float:
-    """First loss minus the mean of the last ``last`` losses (the mean evens out batch-to-batch noise)."""
-    tail = losses[-last:]
-    return losses[0] - sum(tail) / len(tail)

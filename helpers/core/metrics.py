@@ -17,14 +17,14 @@ A job started with ``--out DIR`` writes, from rank 0 only:
     is an incomplete run, never a completed one.
 ``DIR/tensor_trace.jsonl``
     Only with ``--trace-tensors``: per step, an exact fingerprint and the dtype of every
-    parameter's weight, local and reduced gradient and update (helpers.tensor_trace), which
+    parameter's weight, local and reduced gradient and update (helpers.job.observe.tensor_trace), which
     ``python -m helpers.compare`` reads.
 ``DIR/error_rank{r}.txt``
     Written by rank ``r`` (any rank) when it fails, times out or is stopped:
     reason, step, where, traceback. Rank 0 reads them to name the failed rank.
 ``DIR/.lock``
     Held (``flock``) by rank 0 while the job runs, so a second job cannot
-    write the same directory (see helpers.guard).
+    write the same directory (see helpers.job.guard).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ STEP_KEYS = {
     "tokens_per_s": "tokens one rank processed per second in this step",
     "updated_fraction": "share of parameter elements the optimizer step changed, in the tensor it updates "
                         "(FSDP: the shard; DeepSpeed: the fp32 master); all ranks' local shards, summed "
-                        "(helpers.precision.UpdateTracker); null without --track-updates (log.txt says so), "
+                        "(job.observe.precision.UpdateTracker); null without --track-updates (log.txt says so), "
                         "above 50M params, for DeepSpeed ZeRO 0-2 and with the optimizer on NVMe",
     "updated_fraction_compute": "the same, for the values rounded to the compute dtype (what forward uses)",
     "elapsed_s": "seconds from process start to the end of this step on rank 0; its differences are the whole "
@@ -73,27 +73,27 @@ SUMMARY_KEYS = {
     "final_loss": "loss of the last step",
     "step_time_s": f"median step time; the first {WARMUP_STEPS} steps (warm-up) excluded when there are more: "
                    "step 0 pays first-touch allocations, kernel selection and lazily created optimizer state, "
-                   "step 1 runs the memory and dtype probes (helpers.memory, helpers.precision)",
+                   "step 1 runs the memory and dtype probes (helpers.job.observe: memory, precision)",
     "tokens_per_s_per_rank": "tokens per second per rank at the median step time",
     "flops_per_token": "model training FLOPs per token, 6 N (N without embeddings) + 12 L H Q T attention "
-                       "(helpers.throughput)",
+                       "(helpers.job.observe.throughput)",
     "peak_flops": "peak FLOP/s of one device (rank) in the compute dtype: a GPU table, a CPU matmul measured "
                   "at job start, or --peak-tflops; null for a GPU not in the table",
     "peak_flops_source": "where peak_flops came from (table, measured: how, or --peak-tflops)",
     "mfu": "model FLOPs utilisation: flops_per_token x tokens_per_s_per_rank / peak_flops (null without a peak)",
     "wall_time_s": "seconds from process start to the summary",
-    "mode_key": "key of the sharding mode in helpers.mapping.MODES (e.g. full_shard, zero3)",
+    "mode_key": "key of the sharding mode in helpers.core.mapping.MODES (e.g. full_shard, zero3)",
     "memory_bytes": "per rank (list): bytes of params, grads, optimizer_states, master_params held "
-                    "after backward, before the optimizer step of step 1 (helpers.memory), wherever they "
+                    "after backward, before the optimizer step of step 1 (helpers.job.observe.memory), wherever they "
                     "live (NVMe swap files included); memory_location_bytes says where",
     "memory_location_bytes": "per rank (list): the same bytes split by location, {category: {device, host, "
                              "disk}}: device = accelerator (on a CPU-only run: not offloaded), host = host "
                              "memory the backend offloaded to, disk = this rank's NVMe swap files "
-                             "(helpers.offload)",
+                             "(helpers.job.observe.offload)",
     "swap_buffer_bytes": "per rank (list): bytes of the page-locked host buffers DeepSpeed's NVMe swappers "
                          "hold, {params, optimizer} (0 without NVMe): RAM the swapped state passes "
-                         "through, not in memory_bytes (helpers.offload.swap_buffer_bytes)",
-    "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.mapping)",
+                         "through, not in memory_bytes (helpers.job.observe.offload.swap_buffer_bytes)",
+    "memory_theory_bytes": "the same four categories predicted by the ZeRO model (helpers.core.mapping)",
     "peak_memory_bytes": "per rank (list): peak memory of training, after set-up, checkpoint saves left out "
                          "(see peak_memory_source, save_peak_memory_bytes)",
     "save_peak_memory_bytes": "per rank (list): peak memory of the checkpoint saves (the one after the last step "
@@ -107,7 +107,7 @@ SUMMARY_KEYS = {
     "peak_tensor_bytes": "per rank (list): peak bytes of the rank's own tensors from the first step through "
                          "step 1, set-up and checkpoint saves excluded; on CPU counted from allocator events "
                          "(identical jobs can differ by ~10%: buffer lifetimes follow gloo's threads; null with "
-                         "--profile; helpers.tensor_peak)",
+                         "--profile; helpers.job.observe.tensor_peak)",
     "peak_tensor_source": "profiler memory events (CPU allocator) on CPU; cuda.max_memory_allocated on GPU",
     "activation_bytes_per_sample": "bytes autograd saved for backward in one forward, per sequence (with "
                                    "activation checkpointing: what the checkpointed blocks hold, their inputs)",
@@ -122,19 +122,19 @@ SUMMARY_KEYS = {
                       "parity not promised), torch-default (a DeepSpeed JSON optimizer: torch picks), null",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
                                 "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
-                                "gradient_checkpointing (2 blocks)\" (helpers.recompute)",
+                                "gradient_checkpointing (2 blocks)\" (helpers.job.recompute)",
     "dtypes": "dtype of one parameter (param) at each stage of a step, read from the live objects on "
               "rank 0: loaded, stored_param, master_param, optimizer_param, forward_weight, "
               "grad_before_reduce, reduce_dtype, stored_grad, optimizer_grad, optimizer_states "
-              "(helpers.precision.DtypeProbe)",
-    "profiled_steps": "steps recorded by --profile in DIR/trace_rank{r}.json (helpers.profiling); "
+              "(helpers.job.observe.precision.DtypeProbe)",
+    "profiled_steps": "steps recorded by --profile in DIR/trace_rank{r}.json (helpers.job.observe.profiling); "
                       "null without --profile",
     "device": '"cpu" or the GPU name',
     "dist_backend": '"gloo" or "nccl"',
     "versions": "torch, deepspeed, transformers versions",
     "checkpoints": "checkpoints this job saved (list): step, path, format (sharded | full | deepspeed), "
                    "seconds (rank 0, barrier to barrier), bytes on disk, saved_dtypes, seconds_16bit (DeepSpeed "
-                   "save_16bit_model, or null) (helpers.checkpoint)",
+                   "save_16bit_model, or null) (helpers.job.checkpoint)",
     "resumed_from": "null, or the checkpoint the job started from: path, step, format, backend",
     "loading": "null (random init), or for --model DIR: method (naive | fsdp_ram_efficient | zero3_init), "
                "path, ranks (per rank: seconds, peak_rss_anon_bytes and peak_rss_file_bytes above the "
@@ -166,7 +166,7 @@ class RunDir:
         if not self.active:
             return
         p = self.path
-        # the job's lock and the other ranks' error reports stay (helpers.guard)
+        # the job's lock and the other ranks' error reports stay (helpers.job.guard)
         old = [c for c in p.iterdir() if c.name != ".lock" and not c.name.startswith("error_rank")] \
             if p.is_dir() else []
         if old:

@@ -1,10 +1,10 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) behind the guide's engine interface.
 
 ``apply_fsdp(model, job, device)`` shards the units ``accelerate launch`` makes
-(helpers.wrap: the policy's modules, the embedding, norm + head, then the root)
+(helpers.job.wrap: the policy's modules, the embedding, norm + head, then the root)
 and returns an engine with ``train_step(batches) -> loss`` (this rank's),
 ``step_sums()`` and ``grad_norm(sums)`` - the same shape as
-``helpers.backends.deepspeed.apply_deepspeed``. Without clipping, the gradient norm's
+``helpers.job.backends.deepspeed.apply_deepspeed``. Without clipping, the gradient norm's
 all-reduce waits for the job's one all-reduce of the step's numbers (helpers.train);
 with clipping, the clip needs it at once and the engine reduces it itself.
 
@@ -16,7 +16,7 @@ the optimizer are fp32 while forward/backward run in bf16
 end (the memory-constrained mode).
 
 ``fsdp_activation_checkpointing: true`` wraps each decoder block in torch's
-``checkpoint_wrapper`` before anything is sharded (helpers.recompute).
+``checkpoint_wrapper`` before anything is sharded (helpers.job.recompute).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from .. import comm, recompute
-from ..config import JobConfig, adamw_kwargs
-from ..models import decoder_layers
-from ..wrap import forward_order, plan
+from helpers.core.config import JobConfig, adamw_kwargs
+from helpers.core.models import decoder_layers
+from helpers.job import comm, recompute
+from helpers.job.wrap import forward_order, plan
 
 
 def fsdp_mesh(job: JobConfig, world_size: int, device_type: str):
@@ -73,7 +73,7 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
     if job.train.compile:
         for block in decoder_layers(model):
             block.compile()  # in place, before sharding; FSDP2's hooks run eagerly around the graph
-    steps = plan(model, o)  # the units accelerate launch makes, in its order (helpers.wrap)
+    steps = plan(model, o)  # the units accelerate launch makes, in its order (helpers.job.wrap)
     for unit, mods in steps[:-1]:
         fully_shard(mods[0] if len(mods) == 1 else mods,
                     reshard_after_forward=o.reshard_after_forward and unit.reshard, **kw)
@@ -111,7 +111,7 @@ class FSDPEngine:
     """One optimizer step over a list of micro-batches, FSDP2 style."""
 
     backend = "fsdp"
-    activation_checkpointing: str | None = None  # what recomputes activations (helpers.recompute), or None
+    activation_checkpointing: str | None = None  # what recomputes activations (helpers.job.recompute), or None
 
     def __init__(self, model, optimizer, mesh, grad_clip: float):
         self.model, self.optimizer, self.mesh, self.grad_clip = model, optimizer, mesh, grad_clip
@@ -123,7 +123,7 @@ class FSDPEngine:
 
     def train_step(self, batches: list[torch.Tensor], probe=None) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step; this rank's mean loss (not reduced).
-        ``probe``: see helpers.memory."""
+        ``probe``: see helpers.job.observe.memory."""
         n = len(batches)
         total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
         for i, ids in enumerate(batches):

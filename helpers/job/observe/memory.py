@@ -30,7 +30,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from .mapping import CATEGORIES
+from helpers.core.mapping import CATEGORIES
 
 
 def _local(t):
@@ -98,7 +98,7 @@ def rss_anon_bytes() -> int:
     return 0
 
 
-SIDE_MARK = "guide::outside_training"  # a span the CPU tensor-peak profiler leaves out (helpers.tensor_peak)
+SIDE_MARK = "guide::outside_training"  # a span the CPU tensor-peak profiler leaves out (tensor_peak)
 
 
 class PeakMemory:
@@ -158,7 +158,7 @@ class SavedActivations:
     are freed (FSDP reshards gathered params) or belong to a parameter (weights
     saved by matmuls) are dropped, and the rest summed once per storage.
 
-    Under activation checkpointing (helpers.recompute) a block saves nothing of
+    Under activation checkpointing (helpers.job.recompute) a block saves nothing of
     its own (the checkpoint keeps placeholders); it holds its inputs for the
     recompute: the positional ones reach the hook (the checkpoint saves them),
     the keyword ones (rotary cos/sin, masks) are held by a closure and are
@@ -201,7 +201,7 @@ class SavedActivations:
 
 def _checkpointed(m: torch.nn.Module) -> bool:
     """A block that activation checkpointing wraps: torch's checkpoint_wrapper, or a transformers layer with its
-    own checkpointing on (helpers.recompute)."""
+    own checkpointing on (helpers.job.recompute)."""
     if hasattr(m, "_checkpoint_wrapped_module"):
         return True
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -215,7 +215,7 @@ class StepProbe:
     def __init__(self, model: torch.nn.Module, locate=None):
         self.activations = SavedActivations(model)
         self.state: dict[str, int] | None = None
-        self.locate, self.locations = locate, None  # locate(engine): see helpers.offload
+        self.locate, self.locations = locate, None  # locate(engine): see helpers.job.observe.offload
 
     def forward(self, micro_step: int):
         return self.activations if micro_step == 0 else nullcontext()

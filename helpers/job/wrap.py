@@ -98,7 +98,7 @@ def _container(m: torch.nn.Module) -> bool:
 def plan(model: torch.nn.Module, fsdp, notes: list[str] | None = None) -> list[tuple[Unit, list[torch.nn.Module]]]:
     """Each ``fully_shard`` call ``fsdp2_prepare_model`` makes, in its order (the root last): (unit, modules).
 
-    ``fsdp`` is ``helpers.config.FSDPOptions``. Raises WrapError when a class to wrap is not in the model.
+    ``fsdp`` is ``helpers.core.config.FSDPOptions``. Raises WrapError when a class to wrap is not in the model.
     Where this guide deliberately differs from Accelerate, one line saying so goes to ``notes``.
     """
     from accelerate.utils.fsdp_utils import _find_final_norm  # private, but the rule is Accelerate's
@@ -191,7 +191,7 @@ def meta_model(spec):
     """The model's module tree on the meta device (no memory, no weights): for checks before launch."""
     from transformers import AutoModelForCausalLM
 
-    from .models import model_config
+    from helpers.core.models import model_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(model_config(spec))
@@ -199,7 +199,7 @@ def meta_model(spec):
 
 def check_wrap_policy(job, spec) -> list[Unit]:
     """Resolve the wrap policy on a meta copy of the model; ConfigError (one line) when it cannot apply."""
-    from .config import ConfigError
+    from helpers.core.config import ConfigError
 
     try:
         model = meta_model(spec)

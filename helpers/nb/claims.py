@@ -95,9 +95,9 @@ def timing(name_a: str, a, name_b: str, b) -> Timing:
 
 def step_times(run, skip: int | None = None) -> list[float]:
     """A run's per-step times (``metrics.jsonl``), the first ``skip`` steps left out: by default the warm-up
-    steps the job's own medians leave out (``helpers.metrics.WARMUP_STEPS``: start-up, then the probes)."""
+    steps the job's own medians leave out (``helpers.core.metrics.WARMUP_STEPS``: start-up, then the probes)."""
     if skip is None:
-        from .metrics import WARMUP_STEPS
+        from helpers.core.metrics import WARMUP_STEPS
 
         skip = WARMUP_STEPS
     return [float(x) for x in run.metrics["step_time_s"].iloc[skip:]]

@@ -81,7 +81,7 @@ def resolve_model(spec: str) -> ModelSpec:
 def _scan_pickled_weights(spec: str, p: Path) -> None:
     """A ``*.bin`` (torch pickle) that would run code is refused before any rank starts (transformers
     reads it with weights_only=True too, but only inside the job, as a failure of rank 0)."""
-    from .safeload import UnreadableFile, scan_file
+    from helpers.core.safeload import UnreadableFile, scan_file
 
     for f in sorted(p.glob("*.bin")):
         try:
@@ -152,7 +152,7 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     raise ModelSpecError(f"cannot find the transformer blocks of {type(model).__name__}")
 
 
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper / offload_wrapper (helpers.recompute)
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper / offload_wrapper (job.recompute)
 
 
 def clean_fqn(name: str) -> str:

@@ -7,7 +7,7 @@ each observer's hooks (the names follow transformers' ``TrainerCallback``):
 ``on_model_built(s)``     ``s.model`` exists, the backend is not applied yet
 ``on_engine_ready(s)``    ``s.engine`` exists (sharded, weights in place), before ``--resume``
 ``on_train_begin(s)``     before the first step (``s.start_step``)
-``on_step_begin(s, step)``  before the step's forward; may set ``s.probe`` (see helpers.memory)
+``on_step_begin(s, step)``  before the step's forward; may set ``s.probe`` (see helpers.job.observe.memory)
 ``step_sums(s)``          numbers of this rank to sum over ranks: the job sends every observer's
                           sums, the loss and the gradient norm in *one* all-reduce per step
 ``step_row(s, sums)``     this observer's keys in the step's ``metrics.jsonl`` row, from the sums
@@ -17,7 +17,7 @@ each observer's hooks (the names follow transformers' ``TrainerCallback``):
                           when the job fails (rank 0, maybe from the watchdog thread): no collectives
 ``close(s)``              once at the very end, completed or failed: release what it holds
 
-``s`` is the job's ``helpers.train.JobState`` (config, rank, device, run directory, model,
+``s`` is the job's ``helpers.job.run.JobState`` (config, rank, device, run directory, model,
 engine, ...). Every hook but ``summary`` and ``close`` runs on every rank at the same point,
 so a hook may use collectives as long as every rank makes the same calls. A new measurement
 is one new ``Observer`` subclass, added in ``default_observers``.
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .train import JobState
+    from helpers.job.run import JobState
 
 
 def gather(obj) -> list:
@@ -125,26 +125,26 @@ def default_observers(s: JobState) -> Observers:
 
 
 class Throughput(Observer):
-    """Device peak (logged at start), FLOPs per token, and the summary's MFU keys (helpers.throughput)."""
+    """Device peak (logged at start), FLOPs per token, and the summary's MFU keys (helpers.job.observe.throughput)."""
 
     def __init__(self):
         self.keys: dict = {}
 
     def on_load_begin(self, s):
-        from .throughput import compute_dtype, device_peak, fmt_flops
+        from helpers.job.observe.throughput import compute_dtype, device_peak, fmt_flops
 
         self.peak, self.source = device_peak(s.device, compute_dtype(s.job), s.args.peak_tflops)
         s.run.log(f"peak {fmt_flops(self.peak)} per device ({self.source})" if self.peak
                   else f"note: no MFU: {self.source}")
 
     def on_model_built(self, s):
-        from .throughput import flops_per_token
+        from helpers.job.observe.throughput import flops_per_token
 
         self.flops = flops_per_token(s.model, s.job.train.seq_len)  # the whole model, before any sharding
 
     def on_train_end(self, s):
-        from .metrics import summarize_steps
-        from .throughput import summary_keys
+        from helpers.core.metrics import summarize_steps
+        from helpers.job.observe.throughput import summary_keys
 
         tps = summarize_steps(s.records, s.tokens_per_rank_step)["tokens_per_s_per_rank"]
         self.keys = summary_keys(self.flops, tps, self.peak, self.source)
@@ -161,7 +161,7 @@ class Loading(Observer):
 
     def on_load_begin(self, s):
         if s.load_method:
-            from .loading import LoadMonitor
+            from helpers.job.loading import LoadMonitor
 
             dist.barrier()  # every rank starts the load together
             self.monitor = LoadMonitor()
@@ -174,7 +174,7 @@ class Loading(Observer):
     def on_engine_ready(self, s):
         if not self.monitor:
             return
-        from .loading import weights_match
+        from helpers.job.loading import weights_match
 
         if s.load_method != "zero3_init":  # naive and RAM-efficient: the load ends once the weights are sharded
             self.monitor.__exit__(None, None, None)
@@ -190,7 +190,7 @@ class Loading(Observer):
 
 
 class Memory(Observer):
-    """Per-rank state bytes at step 1 next to the ZeRO model, peak memory, activations (helpers.memory)."""
+    """Per-rank state bytes at step 1 next to the ZeRO model, peak memory, activations (helpers.job.observe.memory)."""
 
     def __init__(self):
         self.keys: dict = {}
@@ -198,8 +198,8 @@ class Memory(Observer):
     def on_model_built(self, s):
         from functools import partial
 
-        from .memory import PeakMemory, StepProbe
-        from .offload import state_locations
+        from helpers.job.observe.memory import PeakMemory, StepProbe
+        from helpers.job.observe.offload import state_locations
 
         self.peak = PeakMemory(s.device)
         s.model.register_forward_hook(self.peak.sample)  # activations are all alive at the end of forward
@@ -217,7 +217,7 @@ class Memory(Observer):
     def on_step_end(self, s, step, row):
         self.peak.sample()
         if step == s.probe_step:
-            from .offload import swap_buffer_bytes
+            from helpers.job.observe.offload import swap_buffer_bytes
 
             self.keys.update(memory_summary(s.job, self.probe, self.peak, s.summary["num_params"],
                                             s.job.train.micro_batch))
@@ -235,8 +235,8 @@ class Memory(Observer):
 
 def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
     """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
-    from .mapping import job_theory_bytes, mode_key
-    from .offload import totals
+    from helpers.core.mapping import job_theory_bytes, mode_key
+    from helpers.job.observe.offload import totals
 
     key = mode_key(job)
     theory = job_theory_bytes(job, num_params, dist.get_world_size())
@@ -251,7 +251,7 @@ def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
 
 
 class TensorPeak(Observer):
-    """``peak_tensor_bytes`` per rank: the peak of the rank's own tensors over the first steps (helpers.tensor_peak).
+    """``peak_tensor_bytes`` per rank: the peak of the rank's own tensors over the first steps (observe.tensor_peak).
     On a GPU it reads ``memory``'s allocator peak (which leaves checkpoint saves out), taken as the first step
     begins."""
 
@@ -264,7 +264,7 @@ class TensorPeak(Observer):
         if s.args.profile:
             s.run.log("note: peak_tensor_bytes not tracked (null): --profile holds the profiler it is read from")
             return
-        from .tensor_peak import CpuTensorPeak
+        from helpers.job.observe.tensor_peak import CpuTensorPeak
 
         self.cpu = CpuTensorPeak()
         self.cpu.start()  # before the model exists: the running total is every tensor of the job
@@ -287,7 +287,7 @@ class TensorPeak(Observer):
             self.gather(s)
 
     def gather(self, s):
-        from .tensor_peak import source
+        from helpers.job.observe.tensor_peak import source
 
         self.keys = {"peak_tensor_bytes": gather(self.peak), "peak_tensor_source": source(s.device, self.peak)}
 
@@ -301,7 +301,7 @@ class TensorPeak(Observer):
 
 class MemoryBudget(Observer):
     """``--memory-budget-gib G``: on a GPU the allocator's limit (an out-of-memory stops the job cleanly, see
-    ``helpers.train.budget_verdict``); on a CPU, after the probe step, every rank's ``peak_tensor_bytes`` against
+    ``helpers.job.run.budget_verdict``); on a CPU, after the probe step, every rank's ``peak_tensor_bytes`` against
     the budget (over it: the job stops with one ``error:`` line). ``memory_budget_bytes``, ``memory_budget_fits``."""
 
     def __init__(self, peak: TensorPeak, gib: float | None):
@@ -309,7 +309,7 @@ class MemoryBudget(Observer):
 
     def on_load_begin(self, s):
         if self.budget and s.use_cuda:
-            from .tensor_peak import limit_device
+            from helpers.job.observe.tensor_peak import limit_device
 
             s.run.log(f"memory budget {s.args.memory_budget_gib:g} GiB per rank: {limit_device(s.device, self.budget)}")
         elif self.budget:
@@ -319,8 +319,8 @@ class MemoryBudget(Observer):
     def on_step_end(self, s, step, row):
         if not self.budget or step != s.probe_step:
             return
-        from .guard import JobStop
-        from .tensor_peak import over_budget
+        from helpers.job.guard import JobStop
+        from helpers.job.observe.tensor_peak import over_budget
 
         why = over_budget(self.peak.keys["peak_tensor_bytes"], self.budget, f"{s.start_step}-{step}",
                           s.args.memory_budget_gib)
@@ -335,13 +335,13 @@ class MemoryBudget(Observer):
 
 
 class Dtypes(Observer):
-    """The dtype of one parameter at every stage of step 1 (helpers.precision.DtypeProbe)."""
+    """The dtype of one parameter at every stage of step 1 (helpers.job.observe.precision.DtypeProbe)."""
 
     def __init__(self):
         self.result = None
 
     def on_model_built(self, s):
-        from .precision import DtypeProbe
+        from helpers.job.observe.precision import DtypeProbe
 
         self.probe = DtypeProbe(s.model)  # before the backend: sees the dtype the model was loaded in
 
@@ -360,7 +360,7 @@ class Dtypes(Observer):
 
 
 class Updates(Observer):
-    """``updated_fraction(_compute)`` per step (helpers.precision.UpdateTracker); opt-in: ``--track-updates``.
+    """``updated_fraction(_compute)`` per step (precision.UpdateTracker); opt-in: ``--track-updates``.
 
     Off (or impossible for this job), both keys stay in every row as null and ``log.txt`` says why.
     """
@@ -376,7 +376,7 @@ class Updates(Observer):
             s.run.log("note: updated_fraction not tracked (null in metrics.jsonl): it copies every shard each step; "
                       "pass --track-updates", echo=False)
             return
-        from .precision import UpdateTracker
+        from helpers.job.observe.precision import UpdateTracker
 
         tracker = UpdateTracker(s.engine, s.summary["num_params"])
         if tracker.enabled:
@@ -403,13 +403,13 @@ class Updates(Observer):
 
 
 class Profiler(Observer):
-    """``--profile``: a torch.profiler trace of a few steps per rank (helpers.profiling)."""
+    """``--profile``: a torch.profiler trace of a few steps per rank (helpers.job.observe.profiling)."""
 
     def __init__(self):
         self.prof, self.steps, self.done = None, None, False
 
     def on_train_begin(self, s):
-        from .profiling import StepProfiler
+        from helpers.job.observe.profiling import StepProfiler
 
         self.prof = StepProfiler(s.args.out, s.rank, enabled=s.args.profile, use_cuda=s.use_cuda)
 
@@ -426,10 +426,10 @@ class Profiler(Observer):
 
 class TensorTraces(Observer):
     """``--trace-tensors``: exact per-step fingerprints of every weight, gradient and update
-    (helpers.tensor_trace; its own hooks on the model and optimizer, one all-reduce per step)."""
+    (helpers.job.observe.tensor_trace; its own hooks on the model and optimizer, one all-reduce per step)."""
 
     def on_train_begin(self, s):
-        from .tensor_trace import TensorTracer
+        from helpers.job.observe.tensor_trace import TensorTracer
 
         self.tracer = TensorTracer(s.args.out, s.rank, s.world_size)
         s.run.log("note: --trace-tensors: the training peaks (peak_memory_bytes, peak_tensor_bytes) include the "
@@ -448,13 +448,13 @@ class TensorTraces(Observer):
 
 
 class Checkpoints(Observer):
-    """``--checkpoint-dir`` / ``--checkpoint-every``: saves during the loop (helpers.checkpoint)."""
+    """``--checkpoint-dir`` / ``--checkpoint-every``: saves during the loop (helpers.job.checkpoint)."""
 
     def __init__(self, memory: Memory):
         self.memory, self.saved = memory, []
 
     def on_train_begin(self, s):
-        from .checkpoint import param_shapes
+        from helpers.job.checkpoint import param_shapes
 
         self.every = s.args.checkpoint_every
         self.extra = {"param_shapes": param_shapes(s.engine.module),
@@ -462,7 +462,7 @@ class Checkpoints(Observer):
 
     def on_step_end(self, s, step, row):
         if self.every and (step + 1) % self.every == 0:
-            from .checkpoint import save
+            from helpers.job.checkpoint import save
 
             with self.memory.peak.outside_training():  # save_peak_memory_bytes, not the training peak
                 saved = save(s.engine, s.job, s.args.checkpoint_dir, step + 1, self.extra,
@@ -475,13 +475,13 @@ class Checkpoints(Observer):
 
 
 class ProgressLog(Observer):
-    """Rank 0's ``step ...`` lines (about ten per job) and the progress bar under them (helpers.progress)."""
+    """Rank 0's ``step ...`` lines (about ten per job) and the progress bar under them (observe.progress)."""
 
     def __init__(self):
         self.bar = None
 
     def on_train_begin(self, s):
-        from .progress import Progress
+        from helpers.job.observe.progress import Progress
 
         t = s.job.train
         self.every = max(1, t.steps // 10)

@@ -14,7 +14,7 @@ Recorded: CPU activity (CUDA kernels too when a GPU is used), input shapes
 (collective sizes) and allocations (peak allocated bytes on CPU). Both
 backends' engines mark their phases with ``record_function`` (``guide::forward``,
 ``guide::backward``, ``guide::optimizer_step``); FSDP2 adds its own
-``FSDP::...`` annotations. ``helpers.traces`` reads the files.
+``FSDP::...`` annotations. ``helpers.nb.traces`` reads the files.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, override_tflops: float
         name, kind = torch.cuda.get_device_name(device), cuda_matmul_dtype(dtype)
         peak = gpu_peak(name, kind)
         if peak is None:
-            return None, (f"no dense {kind} peak for GPU {name!r} in helpers.throughput.GPU_PEAK_TFLOPS; "
+            return None, (f"no dense {kind} peak for GPU {name!r} in helpers.job.observe.throughput.GPU_PEAK_TFLOPS; "
                           "pass --peak-tflops")
         return peak, f"table: {name}, dense {kind}"
     import torch.distributed as dist
@@ -172,7 +172,7 @@ def compute_dtype(job) -> torch.dtype:
 
 
 def summary_keys(flops: int, tokens_per_s_per_rank: float | None, peak: float | None, source: str) -> dict:
-    """summary.json's throughput keys (see helpers.metrics.SUMMARY_KEYS)."""
+    """summary.json's throughput keys (see helpers.core.metrics.SUMMARY_KEYS)."""
     mfu = None
     if peak and tokens_per_s_per_rank and math.isfinite(tokens_per_s_per_rank):
         mfu = flops * tokens_per_s_per_rank / peak

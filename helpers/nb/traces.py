@@ -1,4 +1,4 @@
-"""Read the ``--profile`` traces of a run (helpers.profiling): who communicated, who computed, when.
+"""Read the ``--profile`` traces of a run (helpers.job.observe.profiling): who communicated, who computed, when.
 
 ``events(run)``  one row per interval: rank, lane (``comm`` / ``compute``), name, start and end in
                  ms from the start of the first profiled step (ranks share one host clock).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .profiling import trace_path
+from helpers.job.observe.profiling import trace_path
 
 # the collective calls a rank makes (any thread), by kind; bytes = the larger (unsharded) tensor
 KINDS = {

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import JobConfig
+from helpers.core.config import JobConfig
 
 
 def requested(job: JobConfig) -> bool:
@@ -83,7 +83,7 @@ def apply(model: torch.nn.Module, job: JobConfig, device: torch.device) -> str |
     if job.backend == "fsdp" and requested(job):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
 
-        from .wrap import layer_classes
+        from helpers.job.wrap import layer_classes
 
         if model_checkpoints(model):
             model.activation_checkpointing_disable()

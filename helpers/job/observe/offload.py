@@ -1,6 +1,6 @@
 """Offload: where each kind of training state lives - accelerator, host memory or disk.
 
-``state_locations(engine, accelerator)`` splits the bytes of ``helpers.memory``'s four
+``state_locations(engine, accelerator)`` splits the bytes of ``helpers.job.observe.memory``'s four
 categories (params, grads, optimizer_states, master_params) over ``LOCATIONS``:
 
 ``device``  accelerator memory (GPU); on a CPU-only run, where training keeps what it
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from .mapping import CATEGORIES
-from .memory import _ds_tensors, _fsdp_tensors, _local
-from .warmup import AIO_OP  # our build of DeepSpeed's async_io op (its build dir under $TORCH_EXTENSIONS_DIR)
+from helpers.core.mapping import CATEGORIES
+from helpers.job.observe.memory import _ds_tensors, _fsdp_tensors, _local
+from helpers.job.ops import aio_status, build_aio
 
 LOCATIONS = ("device", "host", "disk")
 
@@ -146,7 +146,7 @@ def _ds_fp32_grads(engine) -> list:
 
 
 def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | None = None) -> dict:
-    """{category: {location: bytes}} for this rank; totals per category match helpers.memory.state_bytes
+    """{category: {location: bytes}} for this rank; totals per category match helpers.job.observe.memory.state_bytes
     plus what is on disk."""
     if engine.backend == "fsdp":
         groups, offloaded, skip = _fsdp_tensors(engine), _fsdp_offloaded(engine), set()
@@ -204,7 +204,7 @@ def totals(locations: dict) -> dict[str, int]:
 
 def local_swap_dir(out: str, path: str) -> Path:
     """The node-local home of a relative nvme_path: under the system temp dir, one per user and run directory
-    (two jobs never share an --out, see helpers.guard); DeepSpeed keeps each rank's files in its own rank{r}."""
+    (two jobs never share an --out, see helpers.job.guard); DeepSpeed keeps each rank's files in its own rank{r}."""
     key = hashlib.sha1(str(Path(out).resolve()).encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / f"fsdp-deepspeed-guide-{os.getuid()}" / "nvme_swap" / key / path
 
@@ -216,9 +216,9 @@ def prepare(job, out: str, local_rank: int = 0) -> list[str]:
     (network) filesystem, which every node then swaps through. The node's first rank (``local_rank`` 0)
     removes what an earlier run into the same --out left there. ``job.deepspeed.swap_links`` remembers
     each relative path and its home, for ``link_swap_dirs``.
-    Raises helpers.config.ConfigError (one line) before any rank starts. Returns notes for log.txt.
+    Raises helpers.core.config.ConfigError (one line) before any rank starts. Returns notes for log.txt.
     """
-    from .config import ConfigError
+    from helpers.core.config import ConfigError
 
     if job.backend != "deepspeed":
         return []
@@ -259,183 +259,3 @@ def link_swap_dirs(job, out: str) -> None:
         if not link.exists() and not link.is_symlink():
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(home, target_is_directory=True)
-
-
-def _aio_builder():
-    """DeepSpeed's AsyncIOBuilder for this machine, building under the name ``AIO_OP``: its sources
-    under ``py_lib/`` as one translation unit, without ``-g``.
-
-    DeepSpeed compiles the op from 12 files with ``-O0 -g`` (its comment: for debugging; the op is bound
-    by I/O). Nine of them include ``<torch/extension.h>``: each spends ~25 s parsing the same 420k lines
-    of torch and pybind11 headers, and the debug information doubles that. Here the nine are compiled as
-    one file (``_staged_aio_sources``) and without ``-g``; the other three (``common/``, plain C++ with
-    file-level names that clash with py_lib's) as they are. Same code, same other flags; on 2 idle cores
-    the build takes ~30 s instead of 230 s. Loading it first loads DeepSpeed's ``pin_memory`` op (its
-    pinned-buffer manager), built as DeepSpeed builds it, ~25 s on first use: ~1 min in all. Its own
-    name keeps this build apart from DeepSpeed's (a process without ``helpers``, sharing the build
-    cache, compiles DeepSpeed's own rather than rebuilding this one)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    class GuideAsyncIO(AsyncIOBuilder):
-        NAME = AIO_OP
-
-        def cxx_args(self):
-            return [a for a in super().cxx_args() if a != "-g"]
-
-        def sources(self):
-            root = _staged_aio_sources(super().sources(), super().include_paths())
-            apart = [s for s in super().sources() if not s.startswith(UNITY_DIR)]  # common/: compiled alone
-            return [str(root / UNITY_DIR / UNITY_FILE)] + [str(root / s) for s in apart]
-
-        def include_paths(self):
-            root = _staged_aio_sources(super().sources(), super().include_paths())
-            return [str(root / p) for p in super().include_paths()]
-
-    return GuideAsyncIO()
-
-
-UNITY_DIR = "csrc/aio/py_lib/"  # the op's sources compiled as one file (all include torch's headers)
-UNITY_FILE = "_all_py_lib.cpp"
-
-
-def _staged_aio_sources(sources: list[str], include_paths: list[str]) -> Path:
-    """A copy of the async_io op's source folders (paths relative to ``deepspeed/ops``) in the op's build
-    directory, made so that the ``py_lib`` sources compile as one file: every header gets ``#pragma once``
-    (DeepSpeed's have no include guards, which a file including several sources needs) and
-    ``UNITY_FILE`` includes the sources. Made once per DeepSpeed version, atomically (every rank of a job
-    calls this; the first to finish renames its copy into place, the others drop theirs)."""
-    import shutil
-    import tempfile
-
-    import deepspeed
-    from torch.utils.cpp_extension import _get_build_directory
-
-    build = Path(_get_build_directory(AIO_OP, verbose=False))
-    root = build / f"src-deepspeed-{deepspeed.__version__}"
-    if root.is_dir():
-        return root
-    ops = Path(deepspeed.__file__).parent / "ops"
-    tmp = Path(tempfile.mkdtemp(dir=build, prefix=".src-"))
-    for top in sorted({"/".join(p.split("/")[:2]) for p in sources + include_paths}):  # csrc/aio, csrc/pin_memory
-        shutil.copytree(ops / top, tmp / top)
-    for h in tmp.rglob("*.h"):
-        h.write_text("#pragma once\n" + h.read_text())
-    together = sorted(Path(s).name for s in sources if s.startswith(UNITY_DIR))
-    (tmp / UNITY_DIR / UNITY_FILE).write_text("".join(f'#include "{name}"\n' for name in together))
-    try:
-        tmp.rename(root)
-    except OSError:  # another rank's copy is in place
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
-
-
-def load_aio():
-    """Load (building it on first use) the async_io op and hand it to DeepSpeed as its own.
-
-    DeepSpeed's swappers call ``AsyncIOBuilder().load()``, which returns an op already in
-    ``OpBuilder._loaded_ops`` under its name; this process's load puts ours there first."""
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-    from deepspeed.ops.op_builder.builder import OpBuilder
-
-    module = _aio_builder().load(verbose=False)
-    OpBuilder._loaded_ops[AsyncIOBuilder.NAME] = module
-    return module
-
-
-def build_aio() -> list[str]:
-    """Load DeepSpeed's async_io op for this rank, building it on first use (before the job's --timeout
-    clock starts), saying so.
-
-    ``make setup`` does not build it (~1 min on 2 cores, for one notebook cell); the first NVMe job
-    does, once per checkout (cached under $TORCH_EXTENSIONS_DIR; ``python -m helpers.warmup --nvme`` builds
-    it ahead, e.g. before a workshop). Every rank calls this; torch's build lock makes one build and the
-    others wait for it. Returns a note for log.txt when this job built it."""
-    if _built(AIO_OP):
-        load_aio()
-        return []
-    import time
-
-    from .warmup import clear_stale_locks
-
-    notes = clear_stale_locks((AIO_OP,))
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("note: building DeepSpeed's async_io op for NVMe offload: first use on this machine, about 1 min "
-              "on 2 cores, once (python -m helpers.warmup --nvme builds it ahead)", flush=True)
-    t0 = time.perf_counter()
-    load_aio()
-    return notes + [f"built DeepSpeed's async_io op for NVMe offload in {time.perf_counter() - t0:.0f} s "
-                    "(first use on this machine; cached from now on)"]
-
-
-def aio_status() -> tuple[bool, str]:
-    """(usable, what to expect): can DeepSpeed's async_io op load here, and is it built yet?"""
-    b = _aio_builder()
-    if not b.is_compatible(verbose=False):
-        return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev)"
-    return True, ("built" if _built(AIO_OP) else
-                  "not built yet: the first NVMe job compiles it (~1 min on 2 cores, once)")
-
-
-def _built(name: str) -> bool:
-    from torch.utils.cpp_extension import _get_build_directory
-
-    try:
-        d = Path(_get_build_directory(name, verbose=False))
-    except Exception:  # noqa: BLE001 - an unusable cache dir just means "not built"
-        return False
-    return any(d.glob(f"{name}*.so"))
-
-
-# --------------------------------------------------------------------------- reading runs
-
-
-def settings_table(configs: dict):
-    """One row per config (dict label -> path under launch_configs/, no suffix): its offload keys."""
-    import pandas as pd
-
-    from .config import load_job_config
-
-    rows = {}
-    for label, path in configs.items():
-        job = load_job_config(f"launch_configs/{path}.yaml")
-        if job.fsdp:
-            on = job.fsdp.offload_params
-            rows[label] = {"key": f"fsdp_offload_params: {str(on).lower()}",
-                           "optimizer states to": "host" if on else "-", "params to": "host" if on else "-"}
-        else:
-            ds = job.deepspeed
-            name = {"none": "-", "cpu": "host", "nvme": "disk"}
-            rows[label] = {"key": f"offload_optimizer: {ds.offload_optimizer_device}, "
-                                  f"offload_param: {ds.offload_param_device}",
-                           "optimizer states to": name[ds.offload_optimizer_device],
-                           "params to": name[ds.offload_param_device]}
-    return pd.DataFrame(rows).T
-
-
-def where(run, category: str, rank: int = 0) -> dict[str, int]:
-    """{location: bytes} of one category in a finished run, locations holding nothing left out."""
-    return {loc: n for loc, n in run.summary["memory_location_bytes"][rank][category].items() if n}
-
-
-def location_table(runs: dict, rank: int = 0, unit: float = 1e6):
-    """One row per run (dict label -> Run), one column per category: 'host 41.7' (MB), places joined by ' + '."""
-    import pandas as pd
-
-    rows = {}
-    for label, run in runs.items():
-        rows[label] = {cat: " + ".join(f"{loc} {n / unit:.1f}" for loc, n in where(run, cat, rank).items()) or "-"
-                       for cat in CATEGORIES}
-    return pd.DataFrame(rows).T
-
-
-def location_totals(runs: dict, rank: int = 0, unit: float = 1e6):
-    """One row per run: MB of state on device, host and disk, and the total."""
-    import pandas as pd
-
-    rows = {}
-    for label, run in runs.items():
-        locs = run.summary["memory_location_bytes"][rank]
-        rows[label] = {loc: sum(locs[c][loc] for c in CATEGORIES) / unit for loc in LOCATIONS}
-        rows[label]["total"] = sum(rows[label].values())
-    return pd.DataFrame(rows).T.round(1)

@@ -13,7 +13,7 @@ notebook's), with a progress bar that follows each job's ``metrics.jsonl``,
 then redraws the side-by-side plot from the run directories.
 
 ``MemoryEstimator``: parameter count, world size, FSDP strategy / ZeRO stage,
-offload and dtype -> the per-rank bytes ``helpers.mapping.theory_bytes``
+offload and dtype -> the per-rank bytes ``helpers.core.mapping.theory_bytes``
 predicts for both backends, next to the measured bars of notebook 01's runs
 (``notebooks/runs/01_<mode>_<ranks>``) when they exist.
 
@@ -35,8 +35,10 @@ from pathlib import Path
 import ipywidgets as w
 import matplotlib.pyplot as plt
 
-from . import mapping, nb, results
-from .config import TrainOptions
+from helpers import nb
+from helpers.core import mapping
+from helpers.core.config import TrainOptions
+from helpers.nb import results
 
 RUNS: Path | None = None  # None: notebooks/runs under nb.ROOT (the repo, or the working copy)
 
@@ -50,7 +52,7 @@ def runs_dir() -> Path:
 
 def plot_losses(runs: list[results.Run], fig) -> None:
     """Loss curves side by side with |difference| to the first run."""
-    from . import plots
+    from helpers.nb import plots
 
     left, right = fig.subplots(1, 2)
     plots.loss_curves(runs, ax=left)
@@ -66,7 +68,7 @@ def plot_losses(runs: list[results.Run], fig) -> None:
 
 def plot_memory(runs: list[results.Run], fig) -> None:
     """What rank 0 holds per run, next to the loss curves."""
-    from . import plots
+    from helpers.nb import plots
 
     left, right = fig.subplots(1, 2)
     plots.run_memory_bars(runs, labels=[r.summary["mode_key"] for r in runs], ax=left)
@@ -76,7 +78,7 @@ def plot_memory(runs: list[results.Run], fig) -> None:
 
 def plot_loading(runs: list[results.Run], fig) -> None:
     """Each run's peak memory while loading the model (RssAnon above the start), per rank (notebook 05)."""
-    from . import plots
+    from helpers.nb import plots
 
     ax = fig.subplots()
     width = 0.8 / max(len(runs), 1)
@@ -91,8 +93,8 @@ def plot_loading(runs: list[results.Run], fig) -> None:
 
 def plot_locations(runs: list[results.Run], fig) -> None:
     """Where rank 0's state lives (device, host, disk), one bar per run (notebook 03)."""
-    from . import plots
-    from .offload import LOCATIONS
+    from helpers.job.observe.offload import LOCATIONS
+    from helpers.nb import plots
 
     plots.location_bars(runs, labels=[r.summary["mode_key"] for r in runs], axes=fig.subplots(1, len(LOCATIONS)))
 
@@ -264,7 +266,7 @@ DTYPES = {  # label -> (mixed_precision, bytes per element of the model dtype)
 def estimate(num_params: int, world_size: int, pair: str, offload: bool, dtype: str) -> dict[str, dict]:
     """Predicted per-rank bytes per category, on the device and on the host, for both backends: the state
     part of ``helpers.estimate`` (the same ZeRO model and offload rules) from a parameter count alone."""
-    from .estimate import offloaded, split_state
+    from helpers.estimate import offloaded, split_state
 
     f_key, d_key = PAIRS[pair]
     mp, model_bytes = DTYPES[dtype]
@@ -316,7 +318,7 @@ class MemoryEstimator(w.VBox):
         return []
 
     def redraw(self) -> None:
-        from .plots import CATEGORY_COLORS
+        from helpers.nb.plots import CATEGORY_COLORS
 
         est = estimate(int(self.params.value), self.world.value, self.pair.value, self.offload.value,
                        self.dtype.value)

@@ -6,15 +6,16 @@ import os
 import sys
 from pathlib import Path
 
-from .plots import use_style
+from helpers import CHECKOUT
+from helpers.nb.plots import use_style
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = CHECKOUT
 ROOT = REPO  # where jobs run from: the repo, or a working copy (helpers.workcopy) after setup()
 
 
 def find_root(cwd: Path) -> Path:
     """The working copy a kernel started in (its notebooks/ folder or the copy itself), else the repo."""
-    from .workcopy import MARKER
+    from helpers.nb.workcopy import MARKER
 
     return next((d for d in (cwd, cwd.parent) if (d / MARKER).is_file()), REPO)
 

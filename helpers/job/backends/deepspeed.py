@@ -4,7 +4,7 @@
 ``"auto"`` values from the job, calls ``deepspeed.initialize`` with a torch
 AdamW (the optimizer an Accelerate script would pass), and returns an engine
 with ``train_step(batches) -> loss`` (this rank's), ``step_sums()`` and
-``grad_norm(sums)`` - the same shape as ``helpers.backends.fsdp.apply_fsdp``
+``grad_norm(sums)`` - the same shape as ``helpers.job.backends.fsdp.apply_fsdp``
 (DeepSpeed reduces the gradient norm itself: it adds nothing to the sums).
 
 With ``bf16.enabled`` DeepSpeed keeps the module in bf16 and builds fp32
@@ -12,7 +12,7 @@ master partitions for the optimizer (``_create_fp32_partitions``), whatever
 dtype the model was loaded in.
 
 An ``activation_checkpointing`` object in the JSON turns on the model's own
-(transformers) checkpointing before ``deepspeed.initialize`` (helpers.recompute).
+(transformers) checkpointing before ``deepspeed.initialize`` (helpers.job.recompute).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .. import recompute
-from ..config import JobConfig, adamw_kwargs
+from helpers.core.config import JobConfig, adamw_kwargs
+from helpers.job import recompute
 
 
 def resolved_ds_config(job: JobConfig, world_size: int, hidden_size: int | None = None,
@@ -159,7 +159,7 @@ class DeepSpeedEngine:
     """One optimizer step over a list of micro-batches, DeepSpeed style."""
 
     backend = "deepspeed"
-    activation_checkpointing: str | None = None  # what recomputes activations (helpers.recompute), or None
+    activation_checkpointing: str | None = None  # what recomputes activations (helpers.job.recompute), or None
 
     def __init__(self, engine, optimizer):
         self.engine, self.optimizer = engine, optimizer
@@ -175,7 +175,7 @@ class DeepSpeedEngine:
 
     def train_step(self, batches: list[torch.Tensor], probe=None) -> torch.Tensor:
         """Forward/backward every micro-batch, then one optimizer step; this rank's mean loss (not reduced).
-        ``probe``: see helpers.memory."""
+        ``probe``: see helpers.job.observe.memory."""
         total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
         for i, ids in enumerate(batches):
             with probe.forward(i) if probe else nullcontext(), record_function("guide::forward"):

@@ -16,9 +16,9 @@ out anyway; reading the events is one pass in Python at that point. ``--profile`
 profiler itself, and one thread holds one profiler: there the key is null and ``log.txt`` says why.
 
 GPU: ``torch.cuda.max_memory_allocated``, reset when the first step begins, read after the probe step
-(through helpers.memory.PeakMemory, which folds and resets it around checkpoint saves).
+(through helpers.job.observe.memory.PeakMemory, which folds and resets it around checkpoint saves).
 
-Checkpoint saves are not training: their spans (helpers.memory.SIDE_MARK) are left out on both
+Checkpoint saves are not training: their spans (helpers.job.observe.memory.SIDE_MARK) are left out on both
 (``save_peak_memory_bytes`` holds their peak).
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .profiling import _quiet_stderr as _quiet_fd2  # Kineto prints a line on fd 2 at start and stop
+from helpers.job.observe.profiling import _quiet_stderr as _quiet_fd2  # Kineto prints a line on fd 2 at start and stop
 
 MARK = "guide::tensor_peak_window"
 
@@ -88,8 +88,8 @@ def cpu_allocations(roots) -> tuple[int | None, list[tuple[int, int, object]]]:
 
 
 def _side_spans(roots) -> list[tuple[int, int]]:
-    """(start, end) ns of the spans marked as not training (helpers.memory.SIDE_MARK: checkpoint saves)."""
-    from .memory import SIDE_MARK
+    """(start, end) ns of the spans marked as not training (helpers.job.observe.memory.SIDE_MARK: checkpoint saves)."""
+    from helpers.job.observe.memory import SIDE_MARK
 
     out, stack = [], list(roots)
     while stack:

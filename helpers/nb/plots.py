@@ -1,10 +1,10 @@
-"""Side-by-side figures, all drawn from run directories (helpers.results)."""
+"""Side-by-side figures, all drawn from run directories (helpers.nb.results)."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from .results import Run
+from helpers.nb.results import Run
 
 COLORS = {"fsdp": "#1f6fb4", "deepspeed": "#d9480f"}
 LINES = {"fsdp": dict(lw=2.2, ls="-"), "deepspeed": dict(lw=1.4, ls="--", marker="o", ms=3)}
@@ -67,7 +67,7 @@ def memory_bars(table, world_size: int, axes=None, rank: int = 0, unit: float = 
     """Stacked per-rank bytes by category, FSDP modes left, DeepSpeed right, theory as a black tick."""
     import numpy as np
 
-    from .mapping import CATEGORIES, MODES
+    from helpers.core.mapping import CATEGORIES, MODES
 
     if axes is None:
         _, axes = plt.subplots(1, 2, sharey=True)
@@ -123,7 +123,7 @@ def run_curves(runs: list[Run], column: str, labels: list[str] | None = None, ax
 
 def run_memory_bars(runs: list[Run], labels: list[str] | None = None, ax=None, rank: int = 0):
     """Stacked bars: bytes of params, grads, optimizer states and master copy one rank holds (MB)."""
-    from .mapping import CATEGORIES
+    from helpers.core.mapping import CATEGORIES
 
     ax = ax or plt.subplots()[1]
     labels = labels or [r.label for r in runs]
@@ -132,7 +132,7 @@ def run_memory_bars(runs: list[Run], labels: list[str] | None = None, ax=None, r
         mb = [r.summary["memory_bytes"][rank][cat] / 1e6 for r in runs]
         ax.bar(labels, mb, bottom=bottom, label=cat, color=CATEGORY_COLORS[cat])
         bottom = [b + m for b, m in zip(bottom, mb, strict=True)]
-    ax.set(ylabel="MB", title=f"what rank {rank} holds after backward (helpers.memory)")
+    ax.set(ylabel="MB", title=f"what rank {rank} holds after backward (helpers.job.observe.memory)")
     ax.legend()
     return ax
 
@@ -147,9 +147,9 @@ def timeline(runs: list[Run], labels: list[str] | None = None, step: int | None 
 
     ``step``: which profiled step (default: the first). Shaded bands: rank 0's forward, backward
     and optimizer step (``guide::*``). Communication = gloo's transfers on its own threads (NCCL
-    kernels on a GPU); compute = the training thread's top-level operators (helpers.traces).
+    kernels on a GPU); compute = the training thread's top-level operators (helpers.nb.traces).
     """
-    from . import traces
+    from helpers.nb import traces
 
     labels = labels or [r.label for r in runs]
     if axes is None:
@@ -197,8 +197,8 @@ def collective_bars(table, ax=None):
     return ax
 def location_bars(runs: list[Run], labels: list[str] | None = None, axes=None, rank: int = 0, unit: float = 1e6):
     """Where one rank's state lives: a panel per location (device, host, disk), a stacked bar per run."""
-    from .mapping import CATEGORIES
-    from .offload import LOCATIONS
+    from helpers.core.mapping import CATEGORIES
+    from helpers.job.observe.offload import LOCATIONS
 
     if axes is None:
         _, axes = plt.subplots(1, len(LOCATIONS), sharey=True, figsize=(12, 4.4))

@@ -4,7 +4,7 @@
     torchrun ... -m helpers.train --config C --out runs/b --steps 20 --resume ckpt/step_10
 
 ``--steps`` is the total: the resumed job runs steps 10..19. The data of a step
-is a pure function of (seed, step) (helpers.models.synthetic_batch), so the
+is a pure function of (seed, step) (helpers.core.models.synthetic_batch), so the
 step counter *is* the data position; with the model, the optimizer and each
 rank's RNG state restored, 10 + resume + 10 steps give the same losses as 20.
 
@@ -28,7 +28,7 @@ three formats (``meta["format"]``):
     of bf16 weights) when ``zero3_save_16bit_model`` is set.
 
 Every rank also writes ``rng/rank{r}.pt``. Every file is read back without running code from it
-(``helpers.safeload``: ``weights_only`` loads, DeepSpeed's classes allow-listed, DCP metadata
+(``helpers.core.safeload``: ``weights_only`` loads, DeepSpeed's classes allow-listed, DCP metadata
 read by a restricted unpickler); ``--resume`` scans all of them before any process starts.
 Saves are atomic: everything is written under ``D/.step_K.tmp``, ``meta.json`` last, then renamed to
 ``D/step_K``. A job killed mid-save leaves a ``.tmp`` directory (ignored, and
@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import safeload
-from .models import clean_fqn
+from helpers.core import safeload
+from helpers.core.models import clean_fqn
 
 META = "meta.json"
 FORMATS = ("sharded", "full", "deepspeed")
@@ -145,7 +145,7 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "nu
 
 def _check_model_config(meta: dict, model: str, path: str) -> None:
     """--model of this job against the model the checkpoint was saved from (before anything starts)."""
-    from .models import model_config, resolve_model
+    from helpers.core.models import model_config, resolve_model
 
     saved = meta.get("model_config") or {}
     mine = model_config(resolve_model(model)).to_dict()

@@ -24,7 +24,7 @@ Rank 0 writes ``DIR/tensor_trace.jsonl``, one line per step:
 ``{"step": 0, "params": {"model.layers.0.self_attn.q_proj.weight": {"weight": ["1f..", "fp32"],
 "grad_local": [..], "grad_reduced": [..], "update": ["..", "fp32", changed]}, ...}}``.
 ``python -m helpers.compare`` reads it. Supported: every FSDP mode (CPU offload too: the step's one
-all-reduce runs on the process group's device, helpers.comm), DeepSpeed ZeRO-3 (not with the optimizer
+all-reduce runs on the process group's device, helpers.job.comm), DeepSpeed ZeRO-3 (not with the optimizer
 on NVMe); not with ``--compile`` (see ``check``).
 """
 
@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import comm
-from .compare import STAGES
-from .compare import TRACE_FILE as FILE
-from .models import clean_fqn
+from helpers.compare import STAGES
+from helpers.compare import TRACE_FILE as FILE
+from helpers.core.models import clean_fqn
+from helpers.job import comm
 
 _MODS = ((2_147_483_647, 48_271, 11), (2_147_483_629, 69_621, 7))  # (prime, a, b): weight (a*i + b) mod p
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
@@ -132,7 +132,7 @@ class TensorTracer:
         fp, changed = self.fp, self.changed
         if dist.is_initialized() and dist.get_world_size() > 1:
             # on the process group's device, not the parameters': FSDP2's CPU offload keeps the shards on the
-            # host, and nccl serves no CPU tensor (helpers.comm places the sums where the group serves them)
+            # host, and nccl serves no CPU tensor (helpers.job.comm places the sums where the group serves them)
             flat = comm.all_reduce(torch.cat([fp.reshape(-1), changed]))
             fp, changed = flat[:fp.numel()].reshape(fp.shape), flat[fp.numel():]
         if self.file is None:

@@ -24,7 +24,7 @@ way ``GUIDE_FAIL_MODE`` says: ``raise`` (a RuntimeError, the default), ``exit``
 ``hang`` (sleeps forever). ``exit``, ``kill`` and ``hang`` print one line from
 that rank saying so, which is how the tests time them. ``GUIDE_FAIL_PHASE=save``
 moves the failure into the checkpoint save of step ``GUIDE_FAIL_STEP`` (state
-written, checkpoint not yet complete; see helpers.checkpoint).
+written, checkpoint not yet complete; see helpers.job.checkpoint).
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ import time
 import traceback
 from pathlib import Path
 
+from helpers import CHECKOUT
+
 LOCK = ".lock"
 GRACE_S = 2.0  # how long rank 0 waits for the other ranks' reports
 FAIL_MODES = ("raise", "exit", "kill", "hang")
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = CHECKOUT
 
 
 class JobStop(RuntimeError):

@@ -20,12 +20,13 @@ Also here: ``check_local_device`` (one GPU per rank on this node, checked before
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-_REPO = str(Path(__file__).resolve().parent.parent) + "/"
+from helpers import CHECKOUT
+
+_REPO = str(CHECKOUT) + "/"
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                "reduce_scatter_tensor", "all_to_all_single")
 _check: CollectiveCheck | None = None

@@ -1,0 +1,627 @@
+"""The job entry point: one code path for 1 rank, N ranks and N nodes.
+
+    torchrun --standalone --nproc_per_node 2 -m helpers.train \\
+        --config launch_configs/fsdp/full_shard.yaml --out runs/fsdp_tiny --steps 20
+
+also ``python -m helpers.train ...`` (one rank, no launcher) and
+``python -m helpers.launch --nnodes M ...`` (several nodes: torchrun with c10d
+rendezvous). ``RANK``/``WORLD_SIZE`` from the launcher decide who does what;
+only rank 0 prints and writes the run directory (see helpers.core.metrics).
+
+``main`` is the job's phases, one function each: validate -> start -> connect ->
+build (and load) -> wrap (the backend) -> restore (``--resume``) -> the loop ->
+summarise -> finish. Every measurement (memory, dtypes, updates, loading, profiler,
+progress, checkpoints, throughput) is an observer called around them
+(helpers.job.observe.observers); each step sums its numbers over ranks in one all-reduce.
+
+Picks gloo + CPU (and ``DS_ACCELERATOR=cpu``) when no GPU is visible, nccl +
+CUDA when one is. A bad config, override or ``--out`` exits with status 2 and
+one ``error:`` line from rank 0, before any process group exists. A rank that
+fails, dies or hangs ends the job with status 1, one ``error:`` block from
+rank 0 naming the rank, and a failed ``summary.json`` (see helpers.job.guard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import partial
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from helpers.core.config import JobConfig
+    from helpers.core.metrics import RunDir
+    from helpers.core.models import ModelSpec
+    from helpers.job.guard import JobGuard
+    from helpers.job.observe.observers import Observers
+
+T0 = time.perf_counter()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other bad input (argparse prints usage + error)
+        self.exit(2, f"error: {message} (see python -m helpers.train --help)\n")
+
+
+def positive_number(flag: str, rule: str):
+    """argparse type for a flag that takes a finite number > 0; bad input names the flag, the value and ``rule``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{flag} = {text!r}: must be {rule}")
+        return value
+
+    return parse
+
+
+PEAK_TFLOPS = positive_number("--peak-tflops", "a number of TFLOPS > 0, the device's dense peak in the compute "
+                              "dtype (e.g. 312 for an A100 in bf16)")
+BUDGET_GIB = positive_number("--memory-budget-gib", "a number of GiB > 0 (the tensor memory each rank may use, "
+                             "e.g. 0.5)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = _Parser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="Accelerate-format YAML (launch_configs/...)")
+    ap.add_argument("--out", required=True, help="run directory to write")
+    ap.add_argument("--model", help="preset (tiny, small, medium), config.json or pretrained dir")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--micro-batch", type=int)
+    ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--grad-accum", type=int)
+    ap.add_argument("--grad-clip", type=float, help="max grad norm (FSDP); DeepSpeed reads its config")
+    ap.add_argument("--timeout", type=float, help="seconds without a finished step before the job is "
+                    "stopped as hung (start-up included; also the process-group timeout); default 600")
+    ap.add_argument("--model-dtype", help="dtype the model is loaded in: auto (default: bf16; fp32 for "
+                    "DeepSpeed without bf16), bf16, fp32")
+    ap.add_argument("--peak-tflops", type=PEAK_TFLOPS, help="the device's peak TFLOPS for MFU (default: "
+                    "a table of GPUs; measured on a CPU), see helpers.job.observe.throughput")
+    ap.add_argument("--optimizer-impl", help="how AdamW steps on both backends: for-loop (default; the parity "
+                    "mode, FSDP and DeepSpeed give the same bits), foreach or fused (fewer kernels, for fair "
+                    "throughput on a GPU; parity not promised)")
+    ap.add_argument("--compile", action="store_true", default=None,
+                    help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler trace per rank of a few steps "
+                    "after warm-up into the run directory (helpers.job.observe.profiling)")
+    ap.add_argument("--trace-tensors", action="store_true", help="exact fingerprint of every parameter's weight, "
+                    "gradient (before and after reduction) and update per step into DIR/tensor_trace.jsonl "
+                    "(helpers.job.observe.tensor_trace; python -m helpers.compare reads it)")
+    ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.job.checkpoint)")
+    ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
+    ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")
+    ap.add_argument("--memory-budget-gib", type=BUDGET_GIB, help="tensor memory per rank, in GiB: on a GPU the "
+                    "allocator's limit (an out-of-memory stops the job with one line), on a CPU checked against "
+                    "peak_tensor_bytes after step 1 (helpers.job.observe.tensor_peak)")
+    ap.add_argument("--track-updates", action="store_true", help="updated_fraction per step in metrics.jsonl "
+                    "(helpers.job.observe.precision.UpdateTracker: copies every shard each step; null without it)")
+    ap.add_argument("--deterministic", action="store_true", help="on a GPU: torch.use_deterministic_algorithms"
+                    "(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8, so a rerun, a resume or the aligned pair can be bit "
+                    "for bit (SDPA's flash and memory-efficient backward then take their deterministic paths); "
+                    "costs speed (slower attention and embedding backward) and a little memory (cuBLAS workspaces); "
+                    "on a CPU the guide's ops are deterministic already and it changes nothing")
+    return ap.parse_args(argv)
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _loopback_gloo() -> None:
+    """Keep gloo's sockets on the loopback interface when the rendezvous is on this host only."""
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        local = all(info[4][0] in ("127.0.0.1", "::1") or info[4][0].startswith("127.")
+                    for info in socket.getaddrinfo(addr, None))
+    except OSError:
+        return
+    names = [n for _, n in socket.if_nameindex() if n in ("lo", "lo0")] if hasattr(socket, "if_nameindex") else []
+    if local and names:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", names[0])
+
+
+def fail_config(rank: int, msg: str, grace_s: float = 15.0) -> None:
+    """Exit 2 with one ``error:`` line, from rank 0 only.
+
+    Every rank checks the same input, so the other ranks wait for rank 0 to fail too (torchrun then
+    stops them): exiting first would let torchrun stop rank 0 before it printed. A rank still alive
+    after ``grace_s`` (rank 0 did not see the problem, e.g. a file missing on this node only) says it.
+    """
+    if rank != 0:
+        time.sleep(grace_s)
+    print(f"error: {msg}" if rank == 0 else f"error: rank {rank}: {msg}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def versions() -> dict:
+    out = {}
+    for pkg in ("torch", "deepspeed", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+OVERRIDES = ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip", "timeout",
+             "model_dtype", "compile", "optimizer_impl")  # the flags that override the launch config (helpers.config)
+
+
+@dataclass
+class JobState:
+    """What the phases and the observers share, one per rank (see helpers.job.observe.observers)."""
+
+    args: argparse.Namespace
+    job: JobConfig
+    spec: ModelSpec
+    rank: int
+    world_size: int
+    guard: JobGuard
+    run: RunDir  # writes only on rank 0
+    resolved: dict  # the config as it runs (config.json)
+    ds_filled: list[str]  # DeepSpeed "auto" values the job filled
+    resume_meta: dict | None  # --resume: the checkpoint's meta.json
+    device: torch.device | None = None
+    observers: Observers | None = None
+    summary: dict = field(default_factory=dict)  # summary.json, filled as the job goes
+    records: list[dict] = field(default_factory=list)  # the metrics.jsonl rows
+    model: torch.nn.Module | None = None
+    engine: object = None  # FSDPEngine or DeepSpeedEngine (helpers.backends)
+    resume_state: dict | None = None  # DeepSpeed --resume: state read before the backend
+    start_step: int = 0
+    probe: object = None  # helpers.job.observe.memory.StepProbe for the step about to run, or None
+    in_loop: bool = False  # the train loop has started (an out-of-memory before it is the set-up's)
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl" if self.use_cuda else "gloo"
+
+    @property
+    def tokens_per_rank_step(self) -> int:
+        t = self.job.train
+        return t.micro_batch * t.grad_accum * t.seq_len
+
+    @property
+    def probe_step(self) -> int:
+        """The step the memory and dtype probes read (step 1: Adam's states exist)."""
+        return self.start_step + min(1, self.job.train.steps - self.start_step - 1)
+
+    @property
+    def load_method(self) -> str | None:
+        """How --model DIR is loaded (helpers.loading); None for random init."""
+        from helpers.job.loading import method_for
+
+        return method_for(self.job) if self.spec.kind == "pretrained" else None
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        import torch
+
+        return torch.bfloat16 if self.job.train.model_dtype == "bf16" else torch.float32
+
+
+def main(argv=None) -> int:
+    s = validate(parse_args(argv))  # bad input: one line, exit 2, before anything starts
+    start(s)  # from here on, a failure on any rank ends the job with status 1 and a failed summary
+    obs = s.observers
+    try:
+        connect(s)  # process group(s), run directory, the first log lines
+        obs.on_load_begin(s)
+        build(s)  # the model: random init, or --model DIR the way the config loads it
+        obs.on_model_built(s)
+        wrap(s)  # the backend: FSDP2 fully_shard or deepspeed.initialize
+        obs.on_engine_ready(s)
+        restore(s)  # --resume: model, optimizer, data position, RNG
+        obs.on_train_begin(s)
+        train_loop(s)
+        obs.on_train_end(s)
+        summarise(s)
+    except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
+        obs.close(s)
+        s.guard.fail(budget_verdict(s, e))
+    finish(s)
+    return 0
+
+
+def validate(args: argparse.Namespace) -> JobState:
+    """Every input checked before any process group or file exists; bad input exits 2 (fail_config)."""
+    from helpers.job.observe.profiling import quiet_cpp_warnings
+
+    quiet_cpp_warnings()  # before torch is imported: the tensor-peak profiler (every CPU job) and --profile
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    from helpers.core.config import load_job_config
+    from helpers.core.metrics import RunDir
+    from helpers.job.guard import JobGuard
+
+    try:
+        job = load_job_config(args.config, {k: getattr(args, k) for k in OVERRIDES}, world_size=world_size)
+        from helpers.core.models import model_config, resolve_model  # imports torch: after the quick checks
+        from helpers.job.comm import check_local_device
+
+        spec = resolve_model(job.train.model)
+        check_local_device(_env_int("LOCAL_RANK", 0))  # a GPU node: one GPU per rank
+        if spec.kind != "preset":
+            model_config(spec)  # a config.json that transformers cannot read is bad input too
+        from helpers.job.observe.offload import prepare
+
+        job.notes += prepare(job, args.out, _env_int("LOCAL_RANK", 0))  # node-local NVMe swap dir; libaio checked
+        job.notes += checkpointing_notes(job, spec)
+        resolved, ds_filled = resolve_job(job, world_size)
+        check_observers(job, spec, args)  # --profile needs enough steps; the FSDP wrap classes exist
+        guard = JobGuard(args.out, rank, world_size, timeout=job.train.timeout)
+        from helpers.job.checkpoint import check_args
+
+        resume_meta = check_args(args, job, world_size)
+        if rank == 0:
+            guard.claim()  # --out: not a file, not another job's, not someone's directory
+    except ValueError as e:  # ConfigError, ModelSpecError, OutDirError, a bad GUIDE_FAIL_* test hook
+        fail_config(rank, str(e))
+    return JobState(args, job, spec, rank, world_size, guard, RunDir(args.out, active=rank == 0), resolved,
+                    ds_filled, resume_meta)
+
+
+def start(s: JobState) -> None:
+    """Only rank 0 prints; the device (nccl + CUDA when a GPU is visible, else gloo + CPU); the observers;
+    the guard (watchdog, SIGTERM, the failed summary)."""
+    if s.rank != 0:  # only rank 0 prints; errors still reach stderr
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed warns per gloo collective
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    import torch
+
+    if torch.cuda.is_available():
+        s.device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        if s.args.deterministic:  # before the first cuBLAS handle, which reads the workspace setting
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)  # strict: SDPA then picks deterministic backward kernels
+        torch.cuda.set_device(s.device)
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        s.device = torch.device("cpu")
+        if s.args.deterministic:
+            s.job.notes.append("--deterministic: nothing to change on a CPU (the guide's CPU ops give the same "
+                               "bits run to run)")
+    from helpers.job.observe.observers import default_observers
+
+    s.observers = default_observers(s)
+    s.summary = base_summary(s)
+    s.guard.start(partial(write_failed, s))
+
+
+def connect(s: JobState) -> None:
+    """The process group (DeepSpeed's too), the run directory with config.json, the job's first log lines."""
+    import torch.distributed as dist
+
+    launched = "MASTER_ADDR" in os.environ
+    if not launched:  # plain `python -m helpers.train`: a world of one, no port opened
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    _loopback_gloo()
+    # the watchdog (--timeout without a finished step) ends a hang and says so; the process-group timeout
+    # is a little longer, so a stuck collective is reported as the hang it is, not as a gloo/nccl error
+    timeout = timedelta(seconds=s.job.train.timeout + 30)
+    store = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(s.dist_backend, device_id=s.device if s.use_cuda else None, timeout=timeout, **store)
+    s.guard.connect()
+    job = s.job
+    if job.backend == "deepspeed":
+        if not s.use_cuda:  # a build lock left by an interrupted build would make every rank wait for ever
+            from helpers.job.ops import clear_stale_locks
+
+            job.notes += clear_stale_locks()  # logged with the other notes below
+        import deepspeed
+
+        _quiet_deepspeed(s.rank)
+        with _without_build_line():
+            deepspeed.init_distributed(dist_backend=s.dist_backend, timeout=timeout)
+    device = s.summary["device"]
+    s.run.start({**s.resolved, "world_size": s.world_size, "device": device, "dist_backend": s.dist_backend,
+                 "out": s.args.out})
+    if s.rank == 0:  # the run directory exists (emptied of an earlier run): link the node-local swap dirs into it
+        from helpers.job.observe.offload import link_swap_dirs
+
+        link_swap_dirs(job, s.args.out)
+    s.run.log(f"[{job.backend}] {s.summary['mode']} mixed_precision={job.mixed_precision} "
+              f"world_size={s.world_size} device={device} ({s.dist_backend})")
+    from helpers.core.config import LAUNCHER_ONLY, unapplied_notes
+
+    for note in job.notes + unapplied_notes(job) + (
+            [f"filled DeepSpeed 'auto': {', '.join(s.ds_filled)}"] if s.ds_filled else []):
+        # keys for accelerate launch's own process start (every shipped YAML has three): log.txt only
+        s.run.log(f"note: {note}", echo=not note.endswith(LAUNCHER_ONLY))
+
+
+def build(s: JobState) -> None:
+    """The model in the --model-dtype dtype: random init (a preset or config.json), or --model DIR loaded
+    the way the config says (helpers.loading: every rank whole, on the meta device, or in ZeRO-3 Init)."""
+    from helpers.core.models import build_model, count_params
+    from helpers.job import loading
+
+    if s.load_method == "fsdp_ram_efficient":
+        s.model = loading.meta_model(s.spec, s.model_dtype)  # filled by wrap, once sharded
+    elif s.load_method == "zero3_init":
+        s.model = loading.zero3_model(s.spec, s.model_dtype, s.resolved["deepspeed"]["json"])
+    else:
+        s.model = build_model(s.spec, dtype=s.model_dtype, seed=s.job.train.seed)
+    s.summary["num_params"] = count_params(s.model)
+
+
+def wrap(s: JobState) -> None:
+    """The backend (FSDP2 or DeepSpeed) around the model; RAM-efficient loading fills the shards after."""
+    if s.resume_meta and s.job.backend == "deepspeed":  # DeepSpeed: the checkpoint is read before initialize
+        from helpers.job.checkpoint import before_backend
+
+        s.resume_state = before_backend(s.model, s.resume_meta, s.args.resume)
+    s.engine = apply_backend(s.model, s.job, s.device)
+    s.summary["activation_checkpointing"] = s.engine.activation_checkpointing  # helpers.job.recompute
+    s.summary["optimizer_impl"] = optimizer_impl(s.engine.optimizer)
+    s.run.log(f"activation checkpointing: {s.engine.activation_checkpointing or 'off (every activation is kept)'}")
+    if s.load_method == "fsdp_ram_efficient":
+        from helpers.job.loading import fsdp_fill
+
+        fsdp_fill(s.engine, s.spec, s.model_dtype, s.device, offload=s.job.fsdp.offload_params)
+
+
+def restore(s: JobState) -> None:
+    """--resume DIR/step_K: model, optimizer, data position and RNG as saved; the loop starts at step K."""
+    if not s.resume_meta:
+        return
+    from helpers.job.checkpoint import restore as restore_checkpoint
+
+    meta, path = s.resume_meta, s.args.resume
+    s.start_step = restore_checkpoint(s.engine, meta, path, s.resume_state)
+    s.resume_state = None
+    s.summary["resumed_from"] = {"path": path, "step": s.start_step, "format": meta["format"],
+                                 "backend": meta["backend"]}
+    s.run.log(f"resumed from {path} ({meta['format']}, {meta['backend']}, {meta['world_size']} ranks) "
+              f"at step {s.start_step}")
+
+
+def train_loop(s: JobState) -> None:
+    """The steps: the batches, one optimizer step, one all-reduce of the step's numbers, one metrics row.
+    Everything else (probes, profiler, checkpoints, progress) is an observer's hook around it."""
+    from helpers.core.metrics import Timer
+    from helpers.core.models import synthetic_batch
+
+    t, obs, engine = s.job.train, s.observers, s.engine
+    s.in_loop = True
+    vocab = s.model.config.vocab_size
+    s.run.log(f"model {t.model}: {s.summary['num_params'] / 1e6:.2f}M params; "
+              f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
+    for step in range(s.start_step, t.steps):
+        s.guard.fault_hook(step)  # GUIDE_FAIL_* test hooks; nothing otherwise
+        batches = [
+            synthetic_batch(step, seed=t.seed, rank=s.rank, world_size=s.world_size, micro_batch=t.micro_batch,
+                            seq_len=t.seq_len, vocab_size=vocab, micro_step=m, grad_accum=t.grad_accum).to(s.device)
+            for m in range(t.grad_accum)
+        ]
+        s.probe = None
+        obs.on_step_begin(s, step)
+        lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
+        # the step's one all-reduce is timed too: it carries FSDP's gradient-norm sum (without clipping), which
+        # DeepSpeed reduces inside its own step, so both backends' step times count the same work (--track-updates'
+        # counts are built here too: a run that tracks updates is not a throughput run)
+        with Timer(s.device) as timer:
+            loss = engine.train_step(batches, s.probe)
+            sums = sum_over_ranks({"loss": loss, **engine.step_sums(), **obs.step_sums(s)}, s.device)
+        row = {"step": step, "loss": sums["loss"] / s.world_size, "grad_norm": engine.grad_norm(sums), "lr": lr,
+               "step_time_s": timer.seconds, "tokens_per_s": s.tokens_per_rank_step / timer.seconds,
+               **obs.step_row(s, sums), "elapsed_s": time.perf_counter() - T0}
+        s.records.append(row)
+        s.run.step(row)
+        s.guard.progress(step + 1)
+        obs.on_step_end(s, step, row)
+
+
+def budget_verdict(s: JobState, e: BaseException) -> BaseException:
+    """--memory-budget-gib on a GPU: an out-of-memory is the budget's answer, one line (JobStop), not a traceback."""
+    import torch
+
+    if s.args.memory_budget_gib and isinstance(e, torch.cuda.OutOfMemoryError):
+        from helpers.job.guard import JobStop
+
+        when = f"at step {s.start_step + len(s.records)}" if s.in_loop else \
+            "during set-up (building, loading or sharding the model, before step 0)"
+        return JobStop(f"out of memory under --memory-budget-gib {s.args.memory_budget_gib:g} {when} "
+                       f"(rank {s.rank})")
+    return e
+
+
+def sum_over_ranks(values: dict, device) -> dict[str, float]:
+    """Each rank's numbers (tensors or floats) summed over all ranks in one fp64 all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values.values()])
+    dist.all_reduce(vec)
+    return dict(zip(values, vec.tolist(), strict=True))
+
+
+def summarise(s: JobState) -> None:
+    """The completed run's summary: its steps, each observer's keys; rank 0's last line."""
+    from helpers.core.metrics import summarize_steps
+
+    s.summary.update(status="completed", steps=len(s.records), **summarize_steps(s.records, s.tokens_per_rank_step))
+    s.summary.update(s.observers.summary(s))
+    sm = s.summary
+    mfu = f", MFU {sm['mfu']:.2f}" if sm["mfu"] is not None else ""
+    s.run.log(f"done: final loss {sm['final_loss']:.4f}, median step {sm['step_time_s'] * 1e3:.1f} ms, "
+              f"{sm['tokens_per_s_per_rank']:.0f} tokens/s/rank{mfu}; wrote {s.args.out}")
+
+
+def finish(s: JobState) -> None:
+    """Write summary.json, release --out, leave the process group."""
+    import torch.distributed as dist
+
+    s.observers.close(s)
+    s.guard.finish(lambda: _write_summary(s))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def base_summary(s: JobState) -> dict:
+    """summary.json's keys known before the job starts (a failed job keeps them)."""
+    import torch
+
+    job, t = s.job, s.job.train
+    nodes = _env_int("GROUP_WORLD_SIZE", 1) if "GROUP_WORLD_SIZE" in os.environ \
+        else max(1, s.world_size // _env_int("LOCAL_WORLD_SIZE", s.world_size))
+    return {
+        "status": "failed", "reason": None, "failed_rank": None, "backend": job.backend,
+        "config": s.args.config, "mode": mode_name(job), "mixed_precision": job.mixed_precision,
+        "world_size": s.world_size, "num_nodes": nodes, "model": t.model, "num_params": None, "steps": 0,
+        "tokens_per_step": s.tokens_per_rank_step * s.world_size,
+        "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
+        "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
+        "activation_checkpointing": None, "optimizer_impl": None, "memory_budget_bytes": None,
+        "memory_budget_fits": None,
+        "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
+    }
+
+
+def write_failed(s: JobState, failed_rank, reason, message) -> None:
+    """Rank 0, called by the guard exactly once: the failed summary, with what was measured until then."""
+    from helpers.core.metrics import summarize_steps
+
+    done = list(s.records)
+    s.summary.update(s.observers.summary(s))
+    s.summary.update(status="failed", reason=reason, failed_rank=failed_rank, steps=len(done),
+                     **summarize_steps(done, s.tokens_per_rank_step) if done else {})
+    if s.args.memory_budget_gib and "--memory-budget-gib" in str(reason):  # any rank's budget stop
+        s.summary["memory_budget_fits"] = False
+    s.run.log(message, echo=False)
+    _write_summary(s)
+
+
+def _write_summary(s: JobState) -> None:
+    s.summary["wall_time_s"] = time.perf_counter() - T0
+    s.run.finish(s.summary)  # before teardown: a rare abort in destroy_process_group must not lose it
+
+
+def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
+    """The config as it will run (DeepSpeed "auto" filled); raises ConfigError before anything starts."""
+    from helpers.core.config import ConfigError
+
+    resolved, filled = job.to_dict(), []
+    if job.backend == "deepspeed":
+        import torch
+
+        from helpers.core.models import model_config, resolve_model
+        from helpers.job.backends.deepspeed import resolved_ds_config
+
+        hidden = getattr(model_config(resolve_model(job.train.model)), "hidden_size", None)
+        try:
+            resolved["deepspeed"]["json"], filled = resolved_ds_config(
+                job, world_size, hidden, "cuda" if torch.cuda.is_available() else "cpu")
+        except ValueError as e:
+            raise ConfigError(f"{job.source}: {e}") from None
+        resolved["deepspeed"]["filled"] = filled  # which "auto" values the job filled
+    return resolved, filled
+
+
+def checkpointing_notes(job, spec) -> list[str]:
+    """helpers.job.recompute's notes: an offload with nothing to free on a CPU, the model's own checkpointing."""
+    import torch
+
+    from helpers.core.models import model_config
+    from helpers.job.recompute import notes
+
+    own = spec.kind != "preset" and bool(getattr(model_config(spec), "gradient_checkpointing", False))
+    return notes(job, accelerator=torch.cuda.is_available(), model_checkpoints=own)
+
+
+def check_observers(job, spec, args) -> None:
+    """Bad --profile / --trace-tensors / --memory-budget-gib / wrap-policy input is refused before any rank starts
+    (ConfigError)."""
+    import torch
+
+    from helpers.core.config import ConfigError
+    from helpers.job.observe.profiling import MIN_STEPS
+
+    if args.memory_budget_gib and args.profile and not torch.cuda.is_available():
+        raise ConfigError("--memory-budget-gib with --profile: on a CPU the budget is checked against "
+                          "peak_tensor_bytes, which --profile leaves untracked (one profiler per thread); drop one")
+    if args.profile and job.train.steps < MIN_STEPS:
+        raise ConfigError(f"--steps = {job.train.steps}: --profile records steps after warm-up and needs "
+                          f"--steps >= {MIN_STEPS}")
+    if args.trace_tensors:
+        from helpers.job.observe.tensor_trace import check
+
+        why = check(job)
+        if why:
+            raise ConfigError(f"{job.source}: {why}")
+    if job.backend == "fsdp":
+        from helpers.job.wrap import check_wrap_policy
+
+        check_wrap_policy(job, spec)
+
+
+def mode_name(job) -> str:
+    if job.backend == "fsdp":
+        return job.fsdp.sharding
+    return f"ZeRO-{job.deepspeed.zero_stage}"
+
+
+def optimizer_impl(optimizer) -> str | None:
+    """How the optimizer the job steps runs, read from it: for-loop, foreach, fused, torch-default (foreach
+    and fused left unset: torch picks) or null (not a torch optimizer with those options)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds the torch optimizer
+    group = inner.param_groups[0] if getattr(inner, "param_groups", None) else {}
+    if "fused" not in group and "foreach" not in group:
+        return None
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach") is None:
+        return "torch-default"
+    return "foreach" if group["foreach"] else "for-loop"
+
+
+def apply_backend(model, job, device):
+    if job.backend == "fsdp":
+        from helpers.job.backends.fsdp import apply_fsdp
+
+        return apply_fsdp(model, job, device)
+    from helpers.job.backends.deepspeed import apply_deepspeed
+
+    return apply_deepspeed(model, job, device)
+
+
+@contextlib.contextmanager
+def _without_build_line():
+    """DeepSpeed prints "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" on every rank
+    whenever it loads its shared-memory op, built now or long ago; anything else it prints goes through."""
+    import io
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            yield
+    finally:
+        kept = [ln for ln in out.getvalue().splitlines(keepends=True) if not ln.endswith("built successfully\n")]
+        sys.stdout.write("".join(kept))
+
+
+def _quiet_deepspeed(rank: int) -> None:
+    import logging
+
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)

@@ -22,8 +22,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRACE_FILE = "tensor_trace.jsonl"  # written by helpers.job.observe.tensor_trace (--trace-tensors)
-STAGES = ("weight", "grad_local", "grad_reduced", "update")  # in the order a step produces them
+from helpers.core.metrics import STAGES, TRACE_FILE
 
 
 class CompareError(ValueError):

@@ -301,10 +301,11 @@ claim(f"DeepSpeed holds more params than the model says (persistent whole weight
 #   (`true`), ZeRO-3 replaces `torch.nn.functional.linear`, for the whole process, with its own
 #   (`deepspeed/runtime/zero/linear.py`), <!-- fact: deepspeed.zero3_swaps_linear --> which, for 3-D inputs (batch x sequence), computes
 #   `input @ weight.T` in bf16 and then adds the bias, a second bf16 rounding; <!-- fact: deepspeed.zero3_linear_adds_bias_after -->
-#   torch's linear adds the bias inside the matmul. <!-- fact: torch.linear_bias_inside_matmul --> A model
-#   with biased linears (Qwen2's q/k/v projections; GPT-NeoX and StarCoder2 have them too) <!-- fact: transformers.family_config_defaults -->
-#   then parts from FSDP from step 1 (biases start at zero, so step 0 agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama
-#   does not notice. Qwen2 and Llama are run under it below. The
+#   torch's linear adds the bias inside the matmul. <!-- fact: torch.linear_bias_inside_matmul --> Qwen2
+#   (biased q/k/v projections) then parts from FSDP from step 1 (biases start at zero, so step 0
+#   agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama does not notice. Qwen2 and
+#   Llama are run under it below; GPT-NeoX and StarCoder2 have biased linears too <!-- fact: transformers.family_config_defaults -->
+#   and would be expected to part the same way (not run here under that default). The
 #   shipped `zero3*.json` set it to `false` (the next cell checks it; "Ten model families"
 #   below runs without it).
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides, <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
@@ -583,7 +584,7 @@ claim("Llama, without biases, stays identical under the same default",
 print(f"lr {LR}, {STEPS} steps, {NPROC} ranks, {low.summary['num_params'] / 1e6:.2f}M params on {low.summary['device']}:")
 for n, r in RUNS.items():
     s = r.summary
-    print(f"  {n:20s} loss {s['losses'][0]:.3f} -> {s['final_loss']:.3f}  (drop {drops[n]:.3f}); "
+    print(f"  {n:20s} loss {s['losses'][0]:.3f} -> {s['final_loss']:.3f}  (first minus mean of last 10: {drops[n]:.3f}); "
           f"optimizer in {s['dtypes']['optimizer_param']}, {total[n]:.1f} bytes/param")
 print(f"  fix 1, low precision at lr {LR_SCALED}: drop {d_scaled:.3f}; "
       f"fix 2, lr {LR_HIGH}: low precision {d_low_hi:.3f} vs aligned {d_mixed_hi:.3f}")
@@ -599,7 +600,8 @@ print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.d
 #   in bf16, updates smaller than half a rounding step vanish, so far fewer weights change. <!-- fact: torch.bf16_small_update_rounds_away -->
 # * Scaling the rate by the number of ranks moves the stalled run, and raising the rate for
 #   all mostly closes the gap (the drops above say how much); neither is the aligned training.
-#   fp32 shards (`mixed_precision: bf16`) remove the stall, for twice the memory per parameter. <!-- fact: accelerate.fsdp2_upcasts_with_mixed_precision -->
+#   fp32 shards (`mixed_precision: bf16`) remove the stall, for twice the model-state bytes per
+#   parameter (the bytes/param above: parameters, gradients and Adam's states). <!-- fact: accelerate.fsdp2_upcasts_with_mixed_precision -->
 # * The dtypes read from the live jobs confirm the seeds' table for what the optimizer
 #   updates and its states, and add what the table leaves out: DeepSpeed's bf16 shard,
 #   bf16 gradient reductions. <!-- fact: deepspeed.zero3_bf16_dtypes -->

@@ -147,7 +147,7 @@ else:
 #
 # DeepSpeed reads and writes its swap files with Linux async I/O, a C++ op it compiles once
 # (it needs libaio's header: `apt-get install libaio-dev`). <!-- fact: deepspeed.async_io_needs_libaio --> `make setup` installs the header
-# when it can; the first NVMe job on a machine compiles the op (about a minute on 2 cores, once),
+# when it can; the first NVMe job on a machine compiles the op, once (its `log.txt` says how long it took),
 # and `python -m helpers.warmup --nvme` does it ahead of time. A cell never compiles it without
 # saying so:
 
@@ -158,7 +158,8 @@ elif NVME_STATE == "built":
     print("NVMe run: DeepSpeed's async_io op is built; the NVMe run starts right away.")
 else:
     print("NVMe run: async_io is NOT built yet. The NVMe cell below waits for a one-time compile "
-          "(about a minute on 2 cores) before its first step; `python -m helpers.warmup --nvme` does it ahead of time.")
+          "before its first step (its log.txt says how long it took); `python -m helpers.warmup --nvme` does it "
+          "ahead of time.")
 
 # %% [markdown]
 # ## The offload keys

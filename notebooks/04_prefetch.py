@@ -94,7 +94,8 @@ plots.timeline(list(pf.values()), labels=list(pf));
 
 # %% [markdown]
 # **Reading it.** Each panel is one step; per rank, the upper lane is compute (the training
-# thread's operators), the lower lane communication (gloo's transfers); shaded: forward,
+# thread's operators, including autograd nodes that call a collective and wait in it), the
+# lower lane communication (gloo's transfers); shaded: forward,
 # backward, optimizer step. Each FSDP gather brings one unit (the input embedding, a decoder
 # block, or the final norm + head: the units `accelerate launch` makes from these files,
 # section 4); <!-- fact: accelerate.fsdp2_embedding_and_tail_units --> with prefetch, a unit's pre-forward
@@ -178,8 +179,9 @@ claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step
 # A prefetched unit is gathered earlier, so it is held longer, next to the one computing. <!-- fact: torch.fsdp2_forward_prefetch_order -->
 # ZeRO-3's big prefetch bucket brings the whole model in with its first gather; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
 # without prefetch it gathers one module's parameters at a time (here one tensor). <!-- fact: deepspeed.zero3_gathers_per_module -->
-# FSDP's forward prefetch gathers the next unit while one computes,
-# so by design it can hold one more unit at a time (the traces show when a gather starts, not
+# FSDP's forward prefetch issues the next unit's gather before the current unit computes (on a
+# GPU it travels during that compute; on gloo FSDP2 waits for it), so by design it can hold
+# one more unit at a time (the traces show when a gather starts, not
 # how long its bytes stay). `largest_all_gather_MB` (from the traces) is what one gather puts in
 # memory at once.
 #
@@ -201,32 +203,44 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
       largest_gather_MB=big["FSDP prefetch"], block_MB=block_mb)
 
 # %% [markdown]
-# **Step time.** Each job's profiled steps, prefetch against no prefetch, with the verdict of
-# their spreads (two steps each: a rough look). ZeRO-3 without prefetch pays one gloo call per
+# **Step time.** Each job's profiled steps, prefetch against no prefetch: medians and quartiles
+# (two steps each, one run each: a rough look; one run each on a shared machine calls no
+# verdict, notebook 07 says why). ZeRO-3 without prefetch pays one gloo call per
 # module (here per tensor), in forward and again in backward, where the bucket pays one; <!-- fact: deepspeed.zero3_gathers_per_module -->
 # FSDP's prefetch moves gathers earlier, but on gloo FSDP2 waits for each one (the intro), so
-# here it only reorders them. <!-- fact: torch.fsdp2_gathers_synchronous --> Whether either was faster or slower here is the
-# verdict; the next table shows where the time went (compare "both at once"
-# before reading a speed-up as overlap; where the compute lane moves instead, we have not
-# found why, and with two steps a job it may be noise):
+# here it only reorders them. <!-- fact: torch.fsdp2_gathers_synchronous --> The next table shows where the
+# time went. The compute lane also moves with communication: it counts the autograd nodes that
+# wait on a collective (next section); with two steps a job, part may also be noise:
 
 # %%
 for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):
-    print(timing(a, step_times(pf[a]), b, step_times(pf[b])))
+    print(f"{timing(a, step_times(pf[a]), b, step_times(pf[b])).measured()}, one run each")
 
 # %% [markdown]
 # ### Compute and communication at the same time
 #
-# The time a rank was both computing and communicating (`traces.overlap_ms`). On a CPU, for
-# DeepSpeed's asynchronous gathers, part of it is gloo's threads waiting for the other rank while
-# this one computes (FSDP2's gathers are synchronous); <!-- fact: deepspeed.zero3_async_all_gather -->
-# on a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
+# The time a rank was both computing and communicating (`traces.overlap_ms`), and the compute
+# operator it fell in (`traces.overlap_by_op`). On gloo, do not read it as overlap: FSDP2
+# reduces gradients from the backward of an autograd node, `RegisterPostBackwardFunction`, <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->
+# and ZeRO-3 gathers for backward from another, `PreBackwardFunctionForModule`; <!-- fact: deepspeed.zero3_backward_gather_in_autograd_node -->
+# the compute lane counts such a node for as long as the training thread waits in it.
+# (ZeRO-3's gathers are asynchronous, FSDP2's synchronous.) <!-- fact: deepspeed.zero3_async_all_gather -->
+# On a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
 
 # %%
+facts.show("torch.fsdp2_post_backward_in_autograd_node", "deepspeed.zero3_backward_gather_in_autograd_node")
+HOOKS = ("RegisterPostBackwardFunctionBackward", "PreBackwardFunctionForModuleBackward")  # the two nodes' names
+hook_share = {}
 for name, r in pf.items():
-    busy = traces.busy_ms(r)
-    print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, "
-          f"both at once {traces.overlap_ms(r):7.1f} ms (rank 0, 2 steps)")
+    busy, by_op = traces.busy_ms(r), traces.overlap_by_op(r)
+    hooks = by_op[[any(h in op for h in HOOKS) for op in by_op.index]].sum()
+    if by_op.sum() > 1:
+        hook_share[name] = round(hooks / by_op.sum(), 2)
+    print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
+          f"{by_op.sum():7.1f} ms (rank 0, 2 steps), of it in the backward nodes above {hooks:6.1f} ms")
+claim("wherever a rank both computed and communicated for over 1 ms, most of that time (over half) fell inside "
+      "the autograd node that waits on the collective", all(v > 0.5 for v in hook_share.values()),
+      share_in_those_nodes=hook_share)
 
 # %% [markdown]
 # ## 4 · The unit choice: what FSDP asks you and DeepSpeed does not
@@ -366,7 +380,8 @@ if SIZE == "full":
         print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s; "
               f"final loss {r.summary['final_loss']:.4f}")
     f, d = (comp[k].summary["losses"] for k in ("full_shard", "zero3"))
-    claim("compiled FSDP and DeepSpeed train alike (within 0.02 per step: compiled kernels round differently)",
+    claim("compiled FSDP and DeepSpeed train alike (within 0.02 per step; uncompiled they are bit-identical, "
+          "notebook 02; compiled, each side runs its own graphs: per block vs the whole engine)",
           all(abs(a - b) < 2e-2 for a, b in zip(f, d)), max_gap=max(abs(a - b) for a, b in zip(f, d)))
     claim("the compiled runs learn", f[-1] < f[0] - 0.5, first=f[0], last=f[-1])
     claim("the first step carries the compile time (over 3x the median of the rest)",

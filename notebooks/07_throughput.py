@@ -40,7 +40,7 @@ from helpers import facts, nb
 from helpers.core import metrics, models
 from helpers.job.observe import throughput
 from helpers.nb import plots, results
-from helpers.nb.claims import claim, step_times, timing
+from helpers.nb.claims import claim, timing_runs
 
 SIZE = nb.setup()
 QUICK = SIZE == "quick"
@@ -120,16 +120,21 @@ claim("6 N x tokens/s / peak gives the seeds' MFU within 10% (\"7B\" is a rounde
 # `zero3.yaml`, bf16 compute on fp32 master weights), `tiny`, one rank per core. In a
 # terminal, jobs longer than a few seconds also show a progress bar with the loss and
 # tokens/s; the notebooks turn it off (`GUIDE_PROGRESS=0`, set by `nb.setup`), so each job's
-# `step` lines are its progress.
+# `step` lines are its progress. The pair runs twice, in turn (FSDP, DeepSpeed, FSDP,
+# DeepSpeed): a shared machine can slow down in the middle of one job, and only repeated runs
+# made in turn tell that apart from a backend.
 
 # %% language="bash"
-# torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/full_shard.yaml \
-#     --out notebooks/runs/07_fsdp --model tiny --steps $PAIR_STEPS
-# torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/deepspeed/zero3.yaml \
-#     --out notebooks/runs/07_deepspeed --model tiny --steps $PAIR_STEPS
+# for rep in 1 2; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/full_shard.yaml \
+#         --out notebooks/runs/07_fsdp_$rep --model tiny --steps $PAIR_STEPS | tail -n 2
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/deepspeed/zero3.yaml \
+#         --out notebooks/runs/07_deepspeed_$rep --model tiny --steps $PAIR_STEPS | tail -n 2
+# done
 
 # %%
-fsdp, ds = results.load_runs("notebooks/runs/07_fsdp", "notebooks/runs/07_deepspeed")
+fsdp, ds, fsdp_2, ds_2 = results.load_runs("notebooks/runs/07_fsdp_1", "notebooks/runs/07_deepspeed_1",
+                                           "notebooks/runs/07_fsdp_2", "notebooks/runs/07_deepspeed_2")
 
 
 def table_row(run):
@@ -148,7 +153,7 @@ claim("both MFUs are below 1 against a peak measured in the job's own dtype",
       all(0 < r.summary["mfu"] < 1 for r in (fsdp, ds)), mfu=[fsdp.summary["mfu"], ds.summary["mfu"]])
 claim("the two jobs do the same training (identical losses, as in notebook 00)",
       fsdp.summary["losses"] == ds.summary["losses"])
-PAIR = timing("FSDP", step_times(fsdp, metrics.WARMUP_STEPS), "DeepSpeed", step_times(ds, metrics.WARMUP_STEPS))
+PAIR = timing_runs("FSDP", [fsdp, fsdp_2], "DeepSpeed", [ds, ds_2], metrics.WARMUP_STEPS)
 print(PAIR)
 print(f"FSDP / DeepSpeed tokens/s: {1 / PAIR.ratio:.2f} here (medians), {3158.7 / 3094.5:.2f} in the seeds")
 achieved = fsdp.summary["tokens_per_s_per_rank"] * fsdp.summary["flops_per_token"]
@@ -158,8 +163,9 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}
 
 # %% [markdown]
 # **What it means.** The two backends do the same work. Whether one was faster here is the
-# verdict above: a difference is called only when the spreads of their step times part (step
-# times on a shared 2-core machine vary from step to step); the seeds measured 2% on 4x A100.
+# verdict above: a difference is called only when every run of one is beyond every run of the
+# other and their steps' spreads part (step times on a shared 2-core machine vary from step to
+# step and from job to job); the seeds measured 2% on 4x A100. The table shows the first pair.
 # The absolute numbers are not comparable with the seeds': the last line puts the peaks and
 # the achieved FLOP/s side by side; tokens/s depends on both the model (ours needs far fewer
 # FLOPs per token) and the hardware (this core has far less peak).
@@ -167,9 +173,10 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}
 # ## bf16 on a CPU: fast or slow, by instruction set
 #
 # How fast a CPU runs a bf16 matmul depends on its instructions (torch's compiled CPU kernels,
-# not checked here): with `avx512_bf16` or AMX this guide measured bf16 faster than fp32; with
-# AVX2 only, far slower, the reverse of a GPU, where bf16 tensor cores are the fast path. The cell below lists what this one has; the first cell
-# after the size sweep prints both measured peaks. The peak is measured in the job's dtype, so MFU
+# not checked here). The cell below lists what this one has; the first cell after the size
+# sweep prints both measured peaks and checks which dtype is faster here (without bf16
+# instructions, fp32 over 3x bf16; with them, bf16 above fp32). On a GPU, bf16 tensor cores
+# are the fast path (not checked here). The peak is measured in the job's dtype, so MFU
 # counts against the arithmetic the job does; each job measures it again, and on a shared machine it
 # moves from job to job (the range is printed with it): read MFU between jobs loosely. The sweeps below train the **plain fp32 pair**
 # (`fsdp/full_shard_low_precision.yaml --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`),
@@ -286,7 +293,8 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 # * **One thread per rank, oversubscribed at 4 ranks.** Each rank computes on one core
 #   (`OMP_NUM_THREADS=1`); the peak is that core's. <!-- fact: torch.omp_num_threads_sets_intraop --> At 4 ranks two ranks share a core, so
 #   each shares its core's peak with another rank, and no rank gets faster (the check above;
-#   from 1 to 2 ranks, one short job each, the table shows what the collectives below cost). The total need not fall
+#   from 1 to 2 ranks, one short job each, the table's per-rank tokens/s also carries what the
+#   collectives below cost, not isolated here). The total need not fall
 #   with it (the `total_4_over_2` ratios above, one short job per point): a rank waiting in a
 #   collective may leave its core to the other rank (our reading; not checked here).
 #   On a GPU node every rank has its own device.
@@ -300,9 +308,8 @@ for backend in ("fsdp", "deepspeed") if not GPUS else ():  # CPU only: on a GPU 
 #   launch overheads shrink with `torch.compile`, which fuses ops, and CUDA graphs (its
 #   `mode="reduce-overhead"`, not the default), <!-- fact: torch.compile_cudagraphs_only_reduce_overhead --> and a 7B model's
 #   matmuls are large enough to hide them — which is how the seeds reach 0.4.
-# * **bf16 depends on the hardware.** On the CPUs this guide measured, it was the slow path
-#   with AVX2 only and the fast one with bf16 instructions (this one, if the cells above said
-#   so; other CPUs not checked); on GPUs, the fast one. On each, MFU counts
+# * **bf16 depends on the hardware.** The check after the size sweep says which dtype is
+#   faster on this CPU; on GPUs bf16 is the fast path (not checked here). On each, MFU counts
 #   against the peak the job measured in its own dtype.
 #
 # ## Recap
@@ -325,8 +332,8 @@ recap.round(3)
 
 # %% [markdown]
 # * The aligned pair trains identically on both backends; its speed difference here is the
-#   verdict printed above (claimed only when the spreads part), its MFU measured against a
-#   peak in its own dtype.
+#   verdict printed above (claimed only when two runs of each, made in turn, all part), its MFU
+#   measured against a peak in its own dtype.
 # * The larger models reach a higher MFU than tiny: fixed costs shrink next to bigger matmuls
 #   (whether MFU rose at every size is printed above).
 # * Ranks beyond the cores make no rank faster: at 4 ranks on 2 cores, two ranks share a

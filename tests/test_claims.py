@@ -28,3 +28,26 @@ def test_timing_says_faster_or_slower_only_when_the_spreads_part():
 def test_timing_refuses_no_times():
     with pytest.raises(ValueError, match="no times for b"):
         timing("a", [0.1], "b", [])
+
+
+class _Run:  # what step_times reads: a run's metrics.jsonl rows
+    def __init__(self, times):
+        import pandas as pd
+
+        self.metrics = pd.DataFrame({"step_time_s": times})
+
+
+def test_timing_runs_calls_no_verdict_when_one_run_drifted():
+    """One run of a that drifted (slow from its middle on) against steady runs of b: the pooled spreads part,
+    but a's other run is as fast as b's, so no verdict; two runs each that all part: a verdict."""
+    from helpers.nb.claims import timing_runs
+
+    drifted, steady_a = _Run([0.4] * 2 + [0.66] * 10), _Run([0.4] * 2 + [0.38] * 10)
+    b1, b2 = _Run([0.4] * 2 + [0.39] * 10), _Run([0.4] * 2 + [0.40] * 10)
+    assert timing("a", [0.66] * 10, "b", [0.39] * 10).verdict == "slower"  # one run each: fooled
+    t = timing_runs("a", [drifted, steady_a], "b", [b1, b2])
+    assert t.verdict == "within noise" and "run medians 660/380 vs 390/400 ms" in str(t)
+    slow = timing_runs("a", [drifted, _Run([0.4] * 2 + [0.65] * 10)], "b", [b1, b2])
+    assert slow.verdict == "slower"
+    with pytest.raises(ValueError, match="needs two or more of each"):
+        timing_runs("a", [drifted], "b", [b1, b2])

@@ -10,8 +10,8 @@ from conftest import FSDP, ZERO3, run_job, summary
 from helpers.core import models
 from helpers.core.config import ConfigError, TrainOptions, adamw_kwargs, load_job_config
 from helpers.core.metrics import WARMUP_STEPS
+from helpers.job.backends import optimizer_impl
 from helpers.job.observe import progress, throughput
-from helpers.job.run import optimizer_impl
 
 
 def hand_count(vocab, h, inter, layers, heads, seq, tied=False):

@@ -87,7 +87,8 @@ def test_update_tracker_is_opt_in(tmp_path):
 
 OBSERVER_JOB = """
 import json, os, sys
-from helpers import observers, train
+from helpers.job import run as train
+from helpers.job.observe import observers
 
 calls = []
 

@@ -36,6 +36,8 @@ import statistics
 import time
 from pathlib import Path
 
+TRACE_FILE = "tensor_trace.jsonl"  # --trace-tensors (helpers.job.observe.tensor_trace; helpers.compare reads it)
+STAGES = ("weight", "grad_local", "grad_reduced", "update")  # a traced step's stages, in the order it makes them
 WARMUP_STEPS = 2  # steps left out of the summary's step time (see SUMMARY_KEYS["step_time_s"])
 
 STEP_KEYS = {

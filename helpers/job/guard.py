@@ -192,6 +192,7 @@ class JobGuard:
         self._last = time.monotonic()
         self._abort = threading.Lock()
         self._closed = False
+        self._retired = False  # finished, and a later job of this process has its own guard
         self._on_fail = None
         self._lockfile = None
         self.fault = fault_plan()
@@ -241,12 +242,14 @@ class JobGuard:
         while True:  # hang
             time.sleep(3600)
 
-    def finish(self, write) -> None:
-        """Main thread, the job completed: ``write()`` the summary, release --out; SIGTERM kills again."""
+    def finish(self, write, last: bool = True) -> None:
+        """Main thread, the job completed: ``write()`` the summary, release --out; SIGTERM kills again. Not
+        ``last`` (another job of this process follows, the family sweep): the watchdog stops here."""
         with self._abort:
             write()
             self._closed, self._last = True, time.monotonic()
             self._release()
+            self._retired = not last
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     # ---- the way out
@@ -259,7 +262,7 @@ class JobGuard:
         self._die("error", f"{type(exc).__name__}: {exc}", where, tb)
 
     def _watch(self, rfd: int) -> None:
-        while True:
+        while not self._retired:
             ready, _, _ = select.select([rfd], [], [], 0.5)
             if ready and signal.SIGTERM in os.read(rfd, 512):
                 self._die("signal", "stopped by SIGTERM (torchrun stops every rank when one fails; or the "
@@ -268,6 +271,7 @@ class JobGuard:
                 self._die("timeout", f"timed out: no training step finished for {self.timeout:g} s "
                           f"(--timeout {self.timeout:g}) at step {self.step}; a rank is stuck or waiting "
                           "for a peer", self._main_where(), "")
+        os.close(rfd)  # retired: this job's SIGTERM pipe is no longer read
 
     def _main_where(self) -> list[str]:
         frame = sys._current_frames().get(threading.main_thread().ident)

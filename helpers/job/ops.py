@@ -171,7 +171,7 @@ def aio_status() -> tuple[bool, str]:
     if not b.is_compatible(verbose=False):
         return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev)"
     return True, ("built" if _built(AIO_OP) else
-                  "not built yet: the first NVMe job compiles it (~1 min on 2 cores, once)")
+                  "not built yet: the first NVMe job compiles it, once (its log.txt says how long it took)")
 
 
 def _built(name: str) -> bool:

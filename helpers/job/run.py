@@ -25,101 +25,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import socket
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from importlib import metadata
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
-
-    from helpers.core.config import JobConfig
-    from helpers.core.metrics import RunDir
-    from helpers.core.models import ModelSpec
-    from helpers.job.guard import JobGuard
-    from helpers.job.observe.observers import Observers
+from helpers.job.args import OVERRIDES, parse_args
+from helpers.job.backends import apply_backend, optimizer_impl
+from helpers.job.checks import check_observers, checkpointing_notes, resolve_job
+from helpers.job.state import JobState, base_summary, env_int
 
 T0 = time.perf_counter()
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other bad input (argparse prints usage + error)
-        self.exit(2, f"error: {message} (see python -m helpers.train --help)\n")
-
-
-def positive_number(flag: str, rule: str):
-    """argparse type for a flag that takes a finite number > 0; bad input names the flag, the value and ``rule``."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"{flag} = {text!r}: must be {rule}")
-        return value
-
-    return parse
-
-
-PEAK_TFLOPS = positive_number("--peak-tflops", "a number of TFLOPS > 0, the device's dense peak in the compute "
-                              "dtype (e.g. 312 for an A100 in bf16)")
-BUDGET_GIB = positive_number("--memory-budget-gib", "a number of GiB > 0 (the tensor memory each rank may use, "
-                             "e.g. 0.5)")
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = _Parser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="Accelerate-format YAML (launch_configs/...)")
-    ap.add_argument("--out", required=True, help="run directory to write")
-    ap.add_argument("--model", help="preset (tiny, small, medium), config.json or pretrained dir")
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--lr", type=float)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--micro-batch", type=int)
-    ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--grad-accum", type=int)
-    ap.add_argument("--grad-clip", type=float, help="max grad norm (FSDP); DeepSpeed reads its config")
-    ap.add_argument("--timeout", type=float, help="seconds without a finished step before the job is "
-                    "stopped as hung (start-up included; also the process-group timeout); default 600")
-    ap.add_argument("--model-dtype", help="dtype the model is loaded in: auto (default: bf16; fp32 for "
-                    "DeepSpeed without bf16), bf16, fp32")
-    ap.add_argument("--peak-tflops", type=PEAK_TFLOPS, help="the device's peak TFLOPS for MFU (default: "
-                    "a table of GPUs; measured on a CPU), see helpers.job.observe.throughput")
-    ap.add_argument("--optimizer-impl", help="how AdamW steps on both backends: for-loop (default; the parity "
-                    "mode, FSDP and DeepSpeed give the same bits), foreach or fused (fewer kernels, for fair "
-                    "throughput on a GPU; parity not promised)")
-    ap.add_argument("--compile", action="store_true", default=None,
-                    help="torch.compile: each transformer block (FSDP2) or the engine (DeepSpeed)")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler trace per rank of a few steps "
-                    "after warm-up into the run directory (helpers.job.observe.profiling)")
-    ap.add_argument("--trace-tensors", action="store_true", help="exact fingerprint of every parameter's weight, "
-                    "gradient (before and after reduction) and update per step into DIR/tensor_trace.jsonl "
-                    "(helpers.job.observe.tensor_trace; python -m helpers.compare reads it)")
-    ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.job.checkpoint)")
-    ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
-    ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")
-    ap.add_argument("--memory-budget-gib", type=BUDGET_GIB, help="tensor memory per rank, in GiB: on a GPU the "
-                    "allocator's limit (an out-of-memory stops the job with one line), on a CPU checked against "
-                    "peak_tensor_bytes after step 1 (helpers.job.observe.tensor_peak)")
-    ap.add_argument("--track-updates", action="store_true", help="updated_fraction per step in metrics.jsonl "
-                    "(helpers.job.observe.precision.UpdateTracker: copies every shard each step; null without it)")
-    ap.add_argument("--deterministic", action="store_true", help="on a GPU: torch.use_deterministic_algorithms"
-                    "(True) and CUBLAS_WORKSPACE_CONFIG=:4096:8, so a rerun, a resume or the aligned pair can be bit "
-                    "for bit (SDPA's flash and memory-efficient backward then take their deterministic paths); "
-                    "costs speed (slower attention and embedding backward) and a little memory (cuBLAS workspaces); "
-                    "on a CPU the guide's ops are deterministic already and it changes nothing")
-    return ap.parse_args(argv)
-
-
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
 
 
 def _loopback_gloo() -> None:
@@ -148,83 +67,18 @@ def fail_config(rank: int, msg: str, grace_s: float = 15.0) -> None:
     sys.exit(2)
 
 
-def versions() -> dict:
-    out = {}
-    for pkg in ("torch", "deepspeed", "transformers"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-OVERRIDES = ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip", "timeout",
-             "model_dtype", "compile", "optimizer_impl")  # the flags that override the launch config (helpers.config)
-
-
-@dataclass
-class JobState:
-    """What the phases and the observers share, one per rank (see helpers.job.observe.observers)."""
-
-    args: argparse.Namespace
-    job: JobConfig
-    spec: ModelSpec
-    rank: int
-    world_size: int
-    guard: JobGuard
-    run: RunDir  # writes only on rank 0
-    resolved: dict  # the config as it runs (config.json)
-    ds_filled: list[str]  # DeepSpeed "auto" values the job filled
-    resume_meta: dict | None  # --resume: the checkpoint's meta.json
-    device: torch.device | None = None
-    observers: Observers | None = None
-    summary: dict = field(default_factory=dict)  # summary.json, filled as the job goes
-    records: list[dict] = field(default_factory=list)  # the metrics.jsonl rows
-    model: torch.nn.Module | None = None
-    engine: object = None  # FSDPEngine or DeepSpeedEngine (helpers.backends)
-    resume_state: dict | None = None  # DeepSpeed --resume: state read before the backend
-    start_step: int = 0
-    probe: object = None  # helpers.job.observe.memory.StepProbe for the step about to run, or None
-    in_loop: bool = False  # the train loop has started (an out-of-memory before it is the set-up's)
-
-    @property
-    def use_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def dist_backend(self) -> str:
-        return "nccl" if self.use_cuda else "gloo"
-
-    @property
-    def tokens_per_rank_step(self) -> int:
-        t = self.job.train
-        return t.micro_batch * t.grad_accum * t.seq_len
-
-    @property
-    def probe_step(self) -> int:
-        """The step the memory and dtype probes read (step 1: Adam's states exist)."""
-        return self.start_step + min(1, self.job.train.steps - self.start_step - 1)
-
-    @property
-    def load_method(self) -> str | None:
-        """How --model DIR is loaded (helpers.loading); None for random init."""
-        from helpers.job.loading import method_for
-
-        return method_for(self.job) if self.spec.kind == "pretrained" else None
-
-    @property
-    def model_dtype(self) -> torch.dtype:
-        import torch
-
-        return torch.bfloat16 if self.job.train.model_dtype == "bf16" else torch.float32
-
-
 def main(argv=None) -> int:
     s = validate(parse_args(argv))  # bad input: one line, exit 2, before anything starts
     start(s)  # from here on, a failure on any rank ends the job with status 1 and a failed summary
+    return run(s)
+
+
+def run(s: JobState, join: bool = True, leave: bool = True) -> int:
+    """The job's phases after start. ``join``/``leave``: open and close the process group; the family sweep
+    (helpers.job.sweep) runs several jobs in one group, each through these same phases."""
     obs = s.observers
     try:
-        connect(s)  # process group(s), run directory, the first log lines
+        connect(s, join)  # process group(s), run directory, the first log lines
         obs.on_load_begin(s)
         build(s)  # the model: random init, or --model DIR the way the config loads it
         obs.on_model_built(s)
@@ -238,7 +92,7 @@ def main(argv=None) -> int:
     except BaseException as e:  # noqa: BLE001 - reported by the guard, which ends the process with status 1
         obs.close(s)
         s.guard.fail(budget_verdict(s, e))
-    finish(s)
+    finish(s, leave)
     return 0
 
 
@@ -247,7 +101,7 @@ def validate(args: argparse.Namespace) -> JobState:
     from helpers.job.observe.profiling import quiet_cpp_warnings
 
     quiet_cpp_warnings()  # before torch is imported: the tensor-peak profiler (every CPU job) and --profile
-    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     from helpers.core.config import load_job_config
     from helpers.core.metrics import RunDir
     from helpers.job.guard import JobGuard
@@ -258,12 +112,12 @@ def validate(args: argparse.Namespace) -> JobState:
         from helpers.job.comm import check_local_device
 
         spec = resolve_model(job.train.model)
-        check_local_device(_env_int("LOCAL_RANK", 0))  # a GPU node: one GPU per rank
+        check_local_device(env_int("LOCAL_RANK", 0))  # a GPU node: one GPU per rank
         if spec.kind != "preset":
             model_config(spec)  # a config.json that transformers cannot read is bad input too
         from helpers.job.observe.offload import prepare
 
-        job.notes += prepare(job, args.out, _env_int("LOCAL_RANK", 0))  # node-local NVMe swap dir; libaio checked
+        job.notes += prepare(job, args.out, env_int("LOCAL_RANK", 0))  # node-local NVMe swap dir; libaio checked
         job.notes += checkpointing_notes(job, spec)
         resolved, ds_filled = resolve_job(job, world_size)
         check_observers(job, spec, args)  # --profile needs enough steps; the FSDP wrap classes exist
@@ -289,7 +143,7 @@ def start(s: JobState) -> None:
     import torch
 
     if torch.cuda.is_available():
-        s.device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        s.device = torch.device("cuda", env_int("LOCAL_RANK", 0))
         if s.args.deterministic:  # before the first cuBLAS handle, which reads the workspace setting
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)  # strict: SDPA then picks deterministic backward kernels
@@ -307,31 +161,13 @@ def start(s: JobState) -> None:
     s.guard.start(partial(write_failed, s))
 
 
-def connect(s: JobState) -> None:
-    """The process group (DeepSpeed's too), the run directory with config.json, the job's first log lines."""
-    import torch.distributed as dist
-
-    launched = "MASTER_ADDR" in os.environ
-    if not launched:  # plain `python -m helpers.train`: a world of one, no port opened
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    _loopback_gloo()
-    # the watchdog (--timeout without a finished step) ends a hang and says so; the process-group timeout
-    # is a little longer, so a stuck collective is reported as the hang it is, not as a gloo/nccl error
-    timeout = timedelta(seconds=s.job.train.timeout + 30)
-    store = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(s.dist_backend, device_id=s.device if s.use_cuda else None, timeout=timeout, **store)
+def connect(s: JobState, join: bool = True) -> None:
+    """The process group (DeepSpeed's too; unless ``join`` is False: an earlier job of this process opened
+    it), the run directory with config.json, the job's first log lines."""
+    if join:
+        _join(s)
     s.guard.connect()
     job = s.job
-    if job.backend == "deepspeed":
-        if not s.use_cuda:  # a build lock left by an interrupted build would make every rank wait for ever
-            from helpers.job.ops import clear_stale_locks
-
-            job.notes += clear_stale_locks()  # logged with the other notes below
-        import deepspeed
-
-        _quiet_deepspeed(s.rank)
-        with _without_build_line():
-            deepspeed.init_distributed(dist_backend=s.dist_backend, timeout=timeout)
     device = s.summary["device"]
     s.run.start({**s.resolved, "world_size": s.world_size, "device": device, "dist_backend": s.dist_backend,
                  "out": s.args.out})
@@ -347,6 +183,30 @@ def connect(s: JobState) -> None:
             [f"filled DeepSpeed 'auto': {', '.join(s.ds_filled)}"] if s.ds_filled else []):
         # keys for accelerate launch's own process start (every shipped YAML has three): log.txt only
         s.run.log(f"note: {note}", echo=not note.endswith(LAUNCHER_ONLY))
+
+
+def _join(s: JobState) -> None:
+    import torch.distributed as dist
+
+    launched = "MASTER_ADDR" in os.environ
+    if not launched:  # plain `python -m helpers.train`: a world of one, no port opened
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    _loopback_gloo()
+    # the watchdog (--timeout without a finished step) ends a hang and says so; the process-group timeout
+    # is a little longer, so a stuck collective is reported as the hang it is, not as a gloo/nccl error
+    timeout = timedelta(seconds=s.job.train.timeout + 30)
+    store = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(s.dist_backend, device_id=s.device if s.use_cuda else None, timeout=timeout, **store)
+    if s.job.backend == "deepspeed":
+        if not s.use_cuda:  # a build lock left by an interrupted build would make every rank wait for ever
+            from helpers.job.ops import clear_stale_locks
+
+            s.job.notes += clear_stale_locks()  # logged with the other notes (connect)
+        import deepspeed
+
+        _quiet_deepspeed(s.rank)
+        with _without_build_line():
+            deepspeed.init_distributed(dist_backend=s.dist_backend, timeout=timeout)
 
 
 def build(s: JobState) -> None:
@@ -467,34 +327,15 @@ def summarise(s: JobState) -> None:
               f"{sm['tokens_per_s_per_rank']:.0f} tokens/s/rank{mfu}; wrote {s.args.out}")
 
 
-def finish(s: JobState) -> None:
-    """Write summary.json, release --out, leave the process group."""
+def finish(s: JobState, leave: bool = True) -> None:
+    """Write summary.json, release --out, leave the process group (``leave``; else the next job of this
+    process uses it, and this job's watchdog stops)."""
     import torch.distributed as dist
 
     s.observers.close(s)
-    s.guard.finish(lambda: _write_summary(s))
-    if dist.is_initialized():
+    s.guard.finish(lambda: _write_summary(s), last=leave)
+    if leave and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def base_summary(s: JobState) -> dict:
-    """summary.json's keys known before the job starts (a failed job keeps them)."""
-    import torch
-
-    job, t = s.job, s.job.train
-    nodes = _env_int("GROUP_WORLD_SIZE", 1) if "GROUP_WORLD_SIZE" in os.environ \
-        else max(1, s.world_size // _env_int("LOCAL_WORLD_SIZE", s.world_size))
-    return {
-        "status": "failed", "reason": None, "failed_rank": None, "backend": job.backend,
-        "config": s.args.config, "mode": mode_name(job), "mixed_precision": job.mixed_precision,
-        "world_size": s.world_size, "num_nodes": nodes, "model": t.model, "num_params": None, "steps": 0,
-        "tokens_per_step": s.tokens_per_rank_step * s.world_size,
-        "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
-        "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
-        "activation_checkpointing": None, "optimizer_impl": None, "memory_budget_bytes": None,
-        "memory_budget_fits": None,
-        "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
-    }
 
 
 def write_failed(s: JobState, failed_rank, reason, message) -> None:
@@ -514,94 +355,6 @@ def write_failed(s: JobState, failed_rank, reason, message) -> None:
 def _write_summary(s: JobState) -> None:
     s.summary["wall_time_s"] = time.perf_counter() - T0
     s.run.finish(s.summary)  # before teardown: a rare abort in destroy_process_group must not lose it
-
-
-def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
-    """The config as it will run (DeepSpeed "auto" filled); raises ConfigError before anything starts."""
-    from helpers.core.config import ConfigError
-
-    resolved, filled = job.to_dict(), []
-    if job.backend == "deepspeed":
-        import torch
-
-        from helpers.core.models import model_config, resolve_model
-        from helpers.job.backends.deepspeed import resolved_ds_config
-
-        hidden = getattr(model_config(resolve_model(job.train.model)), "hidden_size", None)
-        try:
-            resolved["deepspeed"]["json"], filled = resolved_ds_config(
-                job, world_size, hidden, "cuda" if torch.cuda.is_available() else "cpu")
-        except ValueError as e:
-            raise ConfigError(f"{job.source}: {e}") from None
-        resolved["deepspeed"]["filled"] = filled  # which "auto" values the job filled
-    return resolved, filled
-
-
-def checkpointing_notes(job, spec) -> list[str]:
-    """helpers.job.recompute's notes: an offload with nothing to free on a CPU, the model's own checkpointing."""
-    import torch
-
-    from helpers.core.models import model_config
-    from helpers.job.recompute import notes
-
-    own = spec.kind != "preset" and bool(getattr(model_config(spec), "gradient_checkpointing", False))
-    return notes(job, accelerator=torch.cuda.is_available(), model_checkpoints=own)
-
-
-def check_observers(job, spec, args) -> None:
-    """Bad --profile / --trace-tensors / --memory-budget-gib / wrap-policy input is refused before any rank starts
-    (ConfigError)."""
-    import torch
-
-    from helpers.core.config import ConfigError
-    from helpers.job.observe.profiling import MIN_STEPS
-
-    if args.memory_budget_gib and args.profile and not torch.cuda.is_available():
-        raise ConfigError("--memory-budget-gib with --profile: on a CPU the budget is checked against "
-                          "peak_tensor_bytes, which --profile leaves untracked (one profiler per thread); drop one")
-    if args.profile and job.train.steps < MIN_STEPS:
-        raise ConfigError(f"--steps = {job.train.steps}: --profile records steps after warm-up and needs "
-                          f"--steps >= {MIN_STEPS}")
-    if args.trace_tensors:
-        from helpers.job.observe.tensor_trace import check
-
-        why = check(job)
-        if why:
-            raise ConfigError(f"{job.source}: {why}")
-    if job.backend == "fsdp":
-        from helpers.job.wrap import check_wrap_policy
-
-        check_wrap_policy(job, spec)
-
-
-def mode_name(job) -> str:
-    if job.backend == "fsdp":
-        return job.fsdp.sharding
-    return f"ZeRO-{job.deepspeed.zero_stage}"
-
-
-def optimizer_impl(optimizer) -> str | None:
-    """How the optimizer the job steps runs, read from it: for-loop, foreach, fused, torch-default (foreach
-    and fused left unset: torch picks) or null (not a torch optimizer with those options)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds the torch optimizer
-    group = inner.param_groups[0] if getattr(inner, "param_groups", None) else {}
-    if "fused" not in group and "foreach" not in group:
-        return None
-    if group.get("fused"):
-        return "fused"
-    if group.get("foreach") is None:
-        return "torch-default"
-    return "foreach" if group["foreach"] else "for-loop"
-
-
-def apply_backend(model, job, device):
-    if job.backend == "fsdp":
-        from helpers.job.backends.fsdp import apply_fsdp
-
-        return apply_fsdp(model, job, device)
-    from helpers.job.backends.deepspeed import apply_deepspeed
-
-    return apply_deepspeed(model, job, device)
 
 
 @contextlib.contextmanager

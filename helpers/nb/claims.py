@@ -52,6 +52,8 @@ class Timing:
     median_b: float
     spread_a: tuple[float, float]  # (25th, 75th percentile)
     spread_b: tuple[float, float]
+    runs_a: tuple[float, ...] = ()  # each run's median (timing_runs: repeated runs, made in turn)
+    runs_b: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -60,10 +62,11 @@ class Timing:
 
     @property
     def verdict(self) -> str:
-        """"slower" / "faster" (a against b) when the spreads do not overlap, else "within noise"."""
-        if self.spread_a[0] > self.spread_b[1]:
+        """"slower" / "faster" (a against b) when the spreads do not overlap (and, for repeated runs, every run
+        of one side is beyond every run of the other), else "within noise"."""
+        if self.spread_a[0] > self.spread_b[1] and (not self.runs_a or min(self.runs_a) > max(self.runs_b)):
             return "slower"
-        if self.spread_a[1] < self.spread_b[0]:
+        if self.spread_a[1] < self.spread_b[0] and (not self.runs_a or max(self.runs_a) < min(self.runs_b)):
             return "faster"
         return "within noise"
 
@@ -75,7 +78,11 @@ class Timing:
 
     def __str__(self) -> str:
         said = {"slower": "slower than", "faster": "faster than", "within noise": "within this machine's noise of"}
-        return f"{self.measured()}, {said[self.verdict]} {self.name_b}"
+        runs = ""
+        if self.runs_a:
+            ms = lambda xs: "/".join(f"{x * 1e3:.0f}" for x in xs)  # noqa: E731
+            runs = f"; run medians {ms(self.runs_a)} vs {ms(self.runs_b)} ms"
+        return f"{self.measured()}{runs}, {said[self.verdict]} {self.name_b}"
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float]:
@@ -91,6 +98,21 @@ def timing(name_a: str, a, name_b: str, b) -> Timing:
     if not a or not b:
         raise ValueError(f"timing: no times for {name_a if not a else name_b}")
     return Timing(name_a, name_b, statistics.median(a), statistics.median(b), _quartiles(a), _quartiles(b))
+
+
+def timing_runs(name_a: str, runs_a: list, name_b: str, runs_b: list, skip: int | None = None) -> Timing:
+    """Compare repeated runs of a and b, made in turn (a, b, a, b, ...). A machine that drifts during one
+    run moves all its steps together, so one run each cannot tell a backend from the drift: the verdict
+    needs at least two runs a side, every run of one side beyond every run of the other, and the pooled
+    steps' spreads apart."""
+    if min(len(runs_a), len(runs_b)) < 2:
+        raise ValueError(f"timing_runs: {len(runs_a)} run(s) of {name_a}, {len(runs_b)} of {name_b}: "
+                         "needs two or more of each, made in turn")
+    per_a, per_b = [step_times(r, skip) for r in runs_a], [step_times(r, skip) for r in runs_b]
+    pooled = timing(name_a, [x for xs in per_a for x in xs], name_b, [x for xs in per_b for x in xs])
+    pooled.runs_a = tuple(statistics.median(xs) for xs in per_a)
+    pooled.runs_b = tuple(statistics.median(xs) for xs in per_b)
+    return pooled
 
 
 def step_times(run, skip: int | None = None) -> list[float]:

@@ -255,14 +255,19 @@ def annotation_start(run, name: str, step: int | None = None, rank: int = 0) -> 
 
 def overlap_ms(run, rank: int = 0) -> float:
     """ms during which ``rank`` both computed and communicated (the overlap prefetch is for)."""
+    return float(overlap_by_op(run, rank).sum())
+
+
+def overlap_by_op(run, rank: int = 0) -> pd.Series:
+    """``overlap_ms`` split by the compute lane's operator that overlapped (ms, largest first). An autograd
+    node that calls a collective and waits in it (a backward hook) counts here: on gloo that is waiting."""
     ev = events(run)
-    spans = {lane: sorted(zip(sub.start_ms, sub.end_ms, strict=True))
-             for lane, sub in ev[ev["rank"] == rank].groupby("lane")}
-    total = 0.0
-    comm = spans.get("comm", [])
-    for s, e in spans.get("compute", []):
+    ev = ev[ev["rank"] == rank]
+    comm = sorted(zip(ev[ev.lane == "comm"].start_ms, ev[ev.lane == "comm"].end_ms, strict=True))
+    out: dict[str, float] = {}
+    for name, s, e in zip(*(ev[ev.lane == "compute"][k] for k in ("name", "start_ms", "end_ms")), strict=True):
         for cs, ce in comm:
             if cs >= e:
                 break
-            total += max(0.0, min(e, ce) - max(s, cs))
-    return total
+            out[name] = out.get(name, 0.0) + max(0.0, min(e, ce) - max(s, cs))
+    return pd.Series(out, dtype=float).sort_values(ascending=False)

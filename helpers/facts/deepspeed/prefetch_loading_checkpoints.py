@@ -115,6 +115,21 @@ def _async_gather():
                       "dist.allgather_fn)(output_tensor, input_tensor, group=group, async_op=True)")
 
 
+@fact("deepspeed.zero3_backward_gather_in_autograd_node",
+      "ZeRO-3 gathers a module's parameters for backward from the backward of an autograd node, "
+      "PreBackwardFunctionForModule.",
+      "deepspeed", V, "runtime/zero/parameter_offload.py: DeepSpeedZeRoOffload._register_deepspeed_module, "
+      "pre_sub_module_backward_function")
+def _pre_backward_node():
+    ok, ev = source_has("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module",
+                        "class PreBackwardFunctionForModule(torch.autograd.Function)",
+                        "ctx.pre_backward_function(ctx.module)", "self.pre_sub_module_backward_function(sub_module)")
+    ok2, ev2 = source_has("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload."
+                          "pre_sub_module_backward_function",
+                          "param_coordinator.fetch_sub_module(sub_module, forward=False)")
+    return ok and ok2, {**ev, "pre_sub_module_backward_function": ev2}
+
+
 @fact("deepspeed.zero3_leaf_modules",
       "DeepSpeed asks for no wrap policy: set_z3_leaf_modules or stage3_module_granularity_threshold (0, off, by "
       "default) can make a subtree one gather.",

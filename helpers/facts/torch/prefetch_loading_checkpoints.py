@@ -120,6 +120,19 @@ def _sync():
     return ok and flags == [False, False], {"unshard_async_op": flags, **ev}
 
 
+@fact("torch.fsdp2_post_backward_in_autograd_node",
+      "FSDP2 reduces a unit's gradients from the backward of an autograd node, RegisterPostBackwardFunction.",
+      "torch", V, "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: RegisterPostBackwardFunction.backward, "
+      "FSDPParamGroup.post_backward")
+def _post_backward_node():
+    ok, ev = source_has("torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
+                        "class RegisterPostBackwardFunction(torch.autograd.Function)",
+                        "ctx.param_group.post_backward()")
+    ok2, ev2 = source_has("torch.distributed.fsdp._fully_shard._fsdp_param_group.FSDPParamGroup.post_backward",
+                          "foreach_reduce(")
+    return ok and ok2, {**ev, "post_backward": ev2}
+
+
 @fact("torch.gloo_worker_threads",
       "Gloo runs collectives on its own worker threads (2 by default).",
       "torch", V, "torch/csrc/distributed/c10d/ProcessGroupGloo.hpp: ProcessGroupGloo::Options (threads)")

@@ -1,27 +1,8 @@
-"""Everything that watches a job, behind one small interface.
+"""The job's observers: ``default_observers`` and the measurements that are not about memory.
 
-``helpers.train`` runs the job's phases and calls, on every rank and in this order,
-each observer's hooks (the names follow transformers' ``TrainerCallback``):
-
-``on_load_begin(s)``      before the model is created
-``on_model_built(s)``     ``s.model`` exists, the backend is not applied yet
-``on_engine_ready(s)``    ``s.engine`` exists (sharded, weights in place), before ``--resume``
-``on_train_begin(s)``     before the first step (``s.start_step``)
-``on_step_begin(s, step)``  before the step's forward; may set ``s.probe`` (see helpers.job.observe.memory)
-``step_sums(s)``          numbers of this rank to sum over ranks: the job sends every observer's
-                          sums, the loss and the gradient norm in *one* all-reduce per step
-``step_row(s, sums)``     this observer's keys in the step's ``metrics.jsonl`` row, from the sums
-``on_step_end(s, step, row)``  after the row is written
-``on_train_end(s)``       after the last step; collectives allowed (gathers, barriers)
-``summary(s)``            this observer's ``summary.json`` keys, as far as measured; also called
-                          when the job fails (rank 0, maybe from the watchdog thread): no collectives
-``close(s)``              once at the very end, completed or failed: release what it holds
-
-``s`` is the job's ``helpers.job.run.JobState`` (config, rank, device, run directory, model,
-engine, ...). Every hook but ``summary`` and ``close`` runs on every rank at the same point,
-so a hook may use collectives as long as every rank makes the same calls. A new measurement
-is one new ``Observer`` subclass, added in ``default_observers``.
+Hooks and ``needs``/``provides``: helpers.job.observe.base; the memory ones: helpers.job.observe.memory_observers.
 """
+
 
 from __future__ import annotations
 
@@ -30,95 +11,19 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from helpers.job.observe.base import Observer, Observers, gather
+from helpers.job.observe.memory_observers import Memory, MemoryBudget, TensorPeak
+
 if TYPE_CHECKING:
-    from helpers.job.run import JobState
-
-
-def gather(obj) -> list:
-    """One value per rank, in rank order (every rank calls this)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-class Observer:
-    """Does nothing at every hook; a measurement overrides the hooks it needs."""
-
-    def on_load_begin(self, s: JobState) -> None: ...
-    def on_model_built(self, s: JobState) -> None: ...
-    def on_engine_ready(self, s: JobState) -> None: ...
-    def on_train_begin(self, s: JobState) -> None: ...
-    def on_step_begin(self, s: JobState, step: int) -> None: ...
-    def step_sums(self, s: JobState) -> dict:
-        return {}
-
-    def step_row(self, s: JobState, sums: dict[str, float]) -> dict:
-        return {}
-
-    def on_step_end(self, s: JobState, step: int, row: dict) -> None: ...
-    def on_train_end(self, s: JobState) -> None: ...
-    def summary(self, s: JobState) -> dict:
-        return {}
-
-    def close(self, s: JobState) -> None: ...
-
-
-class Observers(Observer):
-    """A list of observers behind the same interface: each hook calls theirs in order."""
-
-    def __init__(self, items: list[Observer]):
-        self.items = list(items)
-
-    def on_load_begin(self, s):
-        for o in self.items:
-            o.on_load_begin(s)
-
-    def on_model_built(self, s):
-        for o in self.items:
-            o.on_model_built(s)
-
-    def on_engine_ready(self, s):
-        for o in self.items:
-            o.on_engine_ready(s)
-
-    def on_train_begin(self, s):
-        for o in self.items:
-            o.on_train_begin(s)
-
-    def on_step_begin(self, s, step):
-        for o in self.items:
-            o.on_step_begin(s, step)
-
-    def step_sums(self, s):
-        return {k: v for o in self.items for k, v in o.step_sums(s).items()}
-
-    def step_row(self, s, sums):
-        return {k: v for o in self.items for k, v in o.step_row(s, sums).items()}
-
-    def on_step_end(self, s, step, row):
-        for o in self.items:
-            o.on_step_end(s, step, row)
-
-    def on_train_end(self, s):
-        for o in self.items:
-            o.on_train_end(s)
-
-    def summary(self, s):
-        return {k: v for o in self.items for k, v in o.summary(s).items()}
-
-    def close(self, s):
-        for o in self.items:
-            o.close(s)
+    from helpers.job.state import JobState
 
 
 def default_observers(s: JobState) -> Observers:
-    """The guide's measurements, in the order their hooks run (and their log lines appear)."""
+    """The guide's measurements; their hooks run in this order (and so do their log lines), providers first."""
     traces = [TensorTraces()] if s.args.trace_tensors else []
-    memory = Memory()
-    peak = TensorPeak(memory)
-    return Observers([Throughput(), Loading(), memory, peak, MemoryBudget(peak, s.args.memory_budget_gib), Dtypes(),
-                      Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(),
-                      Checkpoints(memory)])
+    return Observers([Throughput(), Loading(), Memory(), TensorPeak(), MemoryBudget(s.args.memory_budget_gib),
+                      Dtypes(), Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(),
+                      Checkpoints()])
 
 
 # ---------------------------------------------------------------------------------------------- the measurements
@@ -187,151 +92,6 @@ class Loading(Observer):
 
     def summary(self, s):
         return {"loading": self.record}
-
-
-class Memory(Observer):
-    """Per-rank state bytes at step 1 next to the ZeRO model, peak memory, activations (helpers.job.observe.memory)."""
-
-    def __init__(self):
-        self.keys: dict = {}
-
-    def on_model_built(self, s):
-        from functools import partial
-
-        from helpers.job.observe.memory import PeakMemory, StepProbe
-        from helpers.job.observe.offload import state_locations
-
-        self.peak = PeakMemory(s.device)
-        s.model.register_forward_hook(self.peak.sample)  # activations are all alive at the end of forward
-        locate = partial(state_locations, accelerator=s.use_cuda, rank=s.rank,
-                         ds_json=s.job.deepspeed.json if s.job.deepspeed else None)
-        self.probe = StepProbe(s.model, locate)
-
-    def on_train_begin(self, s):
-        self.peak.end_setup()  # the GPU allocator's peak counts training from here (setup_peak_memory_bytes)
-
-    def on_step_begin(self, s, step):
-        if step == s.probe_step:  # step 1: Adam's states exist
-            s.probe = self.probe
-
-    def on_step_end(self, s, step, row):
-        self.peak.sample()
-        if step == s.probe_step:
-            from helpers.job.observe.offload import swap_buffer_bytes
-
-            self.keys.update(memory_summary(s.job, self.probe, self.peak, s.summary["num_params"],
-                                            s.job.train.micro_batch))
-            self.keys["swap_buffer_bytes"] = gather(swap_buffer_bytes(s.engine))
-
-    def on_train_end(self, s):
-        self.peak.sample()  # the last step's peak (a save after it was sampled apart, save_peak)
-        self.keys["peak_memory_bytes"] = gather(self.peak.peak)
-        self.keys["setup_peak_memory_bytes"] = gather(self.peak.setup_peak)
-        self.keys["save_peak_memory_bytes"] = gather(self.peak.save_peak)
-
-    def summary(self, s):
-        return self.keys
-
-
-def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
-    """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
-    from helpers.core.mapping import job_theory_bytes, mode_key
-    from helpers.job.observe.offload import totals
-
-    key = mode_key(job)
-    theory = job_theory_bytes(job, num_params, dist.get_world_size())
-    return {
-        "mode_key": key,
-        "memory_bytes": gather(totals(probe.locations)),  # probe.state + swap files + host fp32 grads
-        "memory_location_bytes": gather(probe.locations),
-        "memory_theory_bytes": theory,
-        "peak_memory_source": peak.source,
-        "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
-    }
-
-
-class TensorPeak(Observer):
-    """``peak_tensor_bytes`` per rank: the peak of the rank's own tensors over the first steps (observe.tensor_peak).
-    On a GPU it reads ``memory``'s allocator peak (which leaves checkpoint saves out), taken as the first step
-    begins."""
-
-    def __init__(self, memory: Memory):
-        self.memory, self.cpu, self.peak, self.keys = memory, None, None, {}
-
-    def on_load_begin(self, s):
-        if s.use_cuda:
-            return
-        if s.args.profile:
-            s.run.log("note: peak_tensor_bytes not tracked (null): --profile holds the profiler it is read from")
-            return
-        from helpers.job.observe.tensor_peak import CpuTensorPeak
-
-        self.cpu = CpuTensorPeak()
-        self.cpu.start()  # before the model exists: the running total is every tensor of the job
-
-    def on_train_begin(self, s):  # after Memory's: the GPU allocator's peak was reset there (end_setup)
-        if self.cpu:
-            self.cpu.mark()
-
-    def on_step_end(self, s, step, row):
-        if step != s.probe_step:
-            return
-        if s.use_cuda:
-            self.peak = self.memory.peak.peak  # sampled at this step's end (Memory runs first)
-        elif self.cpu:
-            self.peak = self.cpu.stop()
-        self.gather(s)  # here, so that MemoryBudget can compare every rank's peak with the budget
-
-    def on_train_end(self, s):
-        if not self.keys:  # no step ran (a resume at the last step)
-            self.gather(s)
-
-    def gather(self, s):
-        from helpers.job.observe.tensor_peak import source
-
-        self.keys = {"peak_tensor_bytes": gather(self.peak), "peak_tensor_source": source(s.device, self.peak)}
-
-    def summary(self, s):
-        return self.keys
-
-    def close(self, s):
-        if self.cpu:
-            self.cpu.close()
-
-
-class MemoryBudget(Observer):
-    """``--memory-budget-gib G``: on a GPU the allocator's limit (an out-of-memory stops the job cleanly, see
-    ``helpers.job.run.budget_verdict``); on a CPU, after the probe step, every rank's ``peak_tensor_bytes`` against
-    the budget (over it: the job stops with one ``error:`` line). ``memory_budget_bytes``, ``memory_budget_fits``."""
-
-    def __init__(self, peak: TensorPeak, gib: float | None):
-        self.peak, self.budget, self.fits = peak, int(gib * 2**30) if gib else None, None
-
-    def on_load_begin(self, s):
-        if self.budget and s.use_cuda:
-            from helpers.job.observe.tensor_peak import limit_device
-
-            s.run.log(f"memory budget {s.args.memory_budget_gib:g} GiB per rank: {limit_device(s.device, self.budget)}")
-        elif self.budget:
-            s.run.log(f"memory budget {s.args.memory_budget_gib:g} GiB per rank: checked against peak_tensor_bytes "
-                      f"after step {s.probe_step} (a CPU has no allocator limit to set)")
-
-    def on_step_end(self, s, step, row):
-        if not self.budget or step != s.probe_step:
-            return
-        from helpers.job.guard import JobStop
-        from helpers.job.observe.tensor_peak import over_budget
-
-        why = over_budget(self.peak.keys["peak_tensor_bytes"], self.budget, f"{s.start_step}-{step}",
-                          s.args.memory_budget_gib)
-        self.fits = why is None
-        if why:
-            raise JobStop(why)
-        s.run.log(f"memory budget: fits (peak {max(p for p in self.peak.keys['peak_tensor_bytes']) / 2**30:.4f} GiB "
-                  f"<= {s.args.memory_budget_gib:g} GiB on every rank)")
-
-    def summary(self, s):
-        return {"memory_budget_bytes": self.budget, "memory_budget_fits": self.fits}
 
 
 class Dtypes(Observer):
@@ -450,8 +210,10 @@ class TensorTraces(Observer):
 class Checkpoints(Observer):
     """``--checkpoint-dir`` / ``--checkpoint-every``: saves during the loop (helpers.job.checkpoint)."""
 
-    def __init__(self, memory: Memory):
-        self.memory, self.saved = memory, []
+    needs = ("peak_sampler",)  # a save is sampled apart from the training peak
+
+    def __init__(self):
+        self.saved = []
 
     def on_train_begin(self, s):
         from helpers.job.checkpoint import param_shapes
@@ -464,7 +226,7 @@ class Checkpoints(Observer):
         if self.every and (step + 1) % self.every == 0:
             from helpers.job.checkpoint import save
 
-            with self.memory.peak.outside_training():  # save_peak_memory_bytes, not the training peak
+            with self.uses["peak_sampler"].peak.outside_training():  # save_peak_memory_bytes, not the training peak
                 saved = save(s.engine, s.job, s.args.checkpoint_dir, step + 1, self.extra,
                              fault_hook=lambda k: s.guard.fault_hook(k, "save"))
             self.saved.append(saved)

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from helpers.compare import STAGES
-from helpers.compare import TRACE_FILE as FILE
+from helpers.core.metrics import STAGES
+from helpers.core.metrics import TRACE_FILE as FILE
 from helpers.core.models import clean_fqn
 from helpers.job import comm
 

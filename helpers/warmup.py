@@ -26,6 +26,7 @@ for ever: this step, and every DeepSpeed CPU job, removes such a lock first
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -33,7 +34,10 @@ import time
 from helpers.job.ops import clear_stale_locks
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m helpers.warmup", description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--nvme", action="store_true", help="also build the NVMe-offload op (async_io)")
+    nvme = parser.parse_args(argv).nvme
     import torch
 
     if torch.cuda.is_available():
@@ -53,7 +57,7 @@ def main() -> int:
     from helpers.job.ops import aio_status
 
     usable, state = aio_status()
-    if "--nvme" not in sys.argv[1:]:
+    if not nvme:
         print(f"warmup: DeepSpeed's async_io op (NVMe offload only): {state}" if usable else
               f"warmup: NVMe offload unavailable: {state}")
         return 0

@@ -3,7 +3,7 @@
 The keys are Accelerate's (``accelerate_keys``: the top level, each section) plus the DeepSpeed JSON's
 ``activation_checkpointing`` sub-keys that helpers.config checks. A key the guide applies is listed in
 EFFECTS with the test that shows its effect; every other key must come back from ``load_job_config`` as one
-``note:`` line (``unapplied_notes``) naming it and why. The README's config section lists every key. No job
+``note:`` line (``unapplied_notes``) naming it and why. docs/config_keys.md lists every key. No job
 runs here: the named tests run the jobs.
 """
 
@@ -118,8 +118,8 @@ def test_every_key_either_takes_effect_or_is_noted(tmp_path):
         assert mine == [f"{dotted(section, key)} = {value!r}: no effect here: {why}"], (key, notes)
 
 
-def test_readme_lists_every_key_with_its_effect():
-    text = (REPO / "README.md").read_text()
+def test_docs_list_every_key_with_its_effect():
+    text = (REPO / "docs" / "config_keys.md").read_text()
     section = text.split("## Config keys and what each one does", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"`([a-z0-9_.]+)`", section))
     missing = []
@@ -127,7 +127,7 @@ def test_readme_lists_every_key_with_its_effect():
         whole_section = s in config._NO_EFFECT_SECTION and s in listed  # "every key of `fp8_config`"
         if not (whole_section or k in listed or dotted(s, k) in listed):
             missing.append(dotted(s, k))
-    assert not missing, f"README's config section does not list: {missing}"
+    assert not missing, f"docs/config_keys.md does not list: {missing}"
 
 
 def test_prefetch_keys_set_fsdp2s_explicit_prefetch():

@@ -1,4 +1,4 @@
-"""README promises with no test of their own elsewhere: clipping parity, --compile, load_run's refusals,
+"""Promises of the README and docs/ with no test of their own elsewhere: clipping parity, --compile, load_run's refusals,
 GUIDE_PROGRESS=0, gloo on loopback. (A given --peak-tflops: test_train's one-rank job.)"""
 
 import json

@@ -1,4 +1,4 @@
-"""What the README promises of a resume, each run for real: the RNG continues, any world size, every stage.
+"""What docs/checkpoints.md promises of a resume, each run for real: the RNG continues, any world size, every stage.
 
 * RNG: a tiny model with attention dropout on, so training draws random numbers every step; a resume
   that skipped the RNG restore would drop other activations and change the losses. The RNG files of a

@@ -45,7 +45,7 @@ BREAKAGES = [
     Breakage("load_run ignores metrics/summary disagreement", "helpers/nb/results.py",
              'if len(metrics) != summary["steps"]:', "if False:",
              ("tests/test_promises.py::test_load_run_refuses_incomplete_and_inconsistent_runs",)),
-    Breakage("translate: ZeRO-1 -> SHARD_GRAD_OP not warned", "helpers/translate.py",
+    Breakage("translate: ZeRO-1 -> SHARD_GRAD_OP not warned", "helpers/core/deepspeed_to_fsdp.py",
              '        warn(f"zero_optimization.stage {d.zero_stage}',
              '        (lambda *a: None)(f"zero_optimization.stage {d.zero_stage}',
              ("tests/test_translate.py::test_round_trip_every_shipped_config",)),

@@ -145,7 +145,7 @@ def test_key_sets_are_accelerates_own():
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.commands.launch import launch_command_parser
 
-    from helpers.core import config
+    from helpers.core import config_keys as config  # its key tables
 
     keys = config.accelerate_keys()
     assert keys[""] == {f.name for f in dataclasses.fields(ClusterConfig)}

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO
 
-from helpers.core import config
+from helpers.core import config_keys as config  # its key tables
 from helpers.core.config import ConfigError, accelerate_keys, load_job_config, no_effect_reason, unapplied_notes
 from helpers.job.backends.fsdp import set_prefetch
 

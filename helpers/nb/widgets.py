@@ -266,7 +266,7 @@ DTYPES = {  # label -> (mixed_precision, bytes per element of the model dtype)
 def estimate(num_params: int, world_size: int, pair: str, offload: bool, dtype: str) -> dict[str, dict]:
     """Predicted per-rank bytes per category, on the device and on the host, for both backends: the state
     part of ``helpers.estimate`` (the same ZeRO model and offload rules) from a parameter count alone."""
-    from helpers.estimate import offloaded, split_state
+    from helpers.core.footprint import offloaded, split_state
 
     f_key, d_key = PAIRS[pair]
     mp, model_bytes = DTYPES[dtype]

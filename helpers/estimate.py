@@ -269,7 +269,7 @@ def parse_args(argv=None):
 def run(args) -> dict:
     """The estimate for parsed arguments; EstimateError / ConfigError on bad input."""
     from helpers.core.config import ConfigError, load_job_config
-    from helpers.job.run import resolve_job
+    from helpers.job.checks import resolve_job
 
     overrides = {"model": args.model, "micro_batch": args.micro_batch, "seq_len": args.seq_len}
     job = load_job_config(args.config, overrides, world_size=args.world_size)

@@ -223,7 +223,8 @@ for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 
 # operator it fell in (`traces.overlap_by_op`). On gloo, do not read it as overlap: FSDP2
 # reduces gradients from the backward of an autograd node, `RegisterPostBackwardFunction`, <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->
 # and ZeRO-3 gathers for backward from another, `PreBackwardFunctionForModule`; <!-- fact: deepspeed.zero3_backward_gather_in_autograd_node -->
-# the compute lane counts such a node for as long as the training thread waits in it.
+# the compute lane counts such a node for as long as the training thread waits in it, and
+# the cell shows how much of "both at once" is that waiting.
 # (ZeRO-3's gathers are asynchronous, FSDP2's synchronous.) <!-- fact: deepspeed.zero3_async_all_gather -->
 # On a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
 
@@ -238,8 +239,8 @@ for name, r in pf.items():
         hook_share[name] = round(hooks / by_op.sum(), 2)
     print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
           f"{by_op.sum():7.1f} ms (rank 0, 2 steps), of it in the backward nodes above {hooks:6.1f} ms")
-claim("wherever a rank both computed and communicated for over 1 ms, most of that time (over half) fell inside "
-      "the autograd node that waits on the collective", all(v > 0.5 for v in hook_share.values()),
+claim("wherever a rank both computed and communicated for over 1 ms, a good part of that time (over a quarter) "
+      "fell inside an autograd node that waits on the collective", all(v > 0.25 for v in hook_share.values()),
       share_in_those_nodes=hook_share)
 
 # %% [markdown]

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from helpers.core import safeload
+from helpers.core.internals import torch_optimizer, zero0_masters, zero_flat_masters, zero_param_groups
 from helpers.core.models import clean_fqn
 
 META = "meta.json"
@@ -341,7 +342,7 @@ def _import_deepspeed(engine, state: dict) -> None:
     step = steps.pop()
     zopt = engine.engine.optimizer
     stage = engine.engine.zero_optimization_stage()
-    inner = zopt.optimizer if hasattr(zopt, "optimizer") else zopt  # the torch AdamW over fp32 masters
+    inner = torch_optimizer(zopt)  # the torch AdamW over fp32 masters
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]  # frozen: weights only
     if stage == 0:
         _import_stage0(zopt, inner, named, model_sd, optim_sd)
@@ -374,13 +375,13 @@ def _import_zero(zopt, inner, stage: int, named, model_sd: dict, optim_sd: dict)
 
     # Torch Adam creates its state at the first step, so a fresh engine has none: create it (zeros), then
     # overwrite it. ZeRO 1-2 also link each parameter to its slice of that state only after the first step.
-    flats = zopt.fp32_partitioned_groups_flat if stage == 3 else zopt.single_partition_of_fp32_groups
+    flats = zero_flat_masters(zopt)
     for flat in flats:
         if not inner.state.get(flat):
             inner.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
                                  "exp_avg_sq": torch.zeros_like(flat)}
     if stage < 3:
-        for lp_group, flat in zip(zopt.bit16_groups, flats, strict=True):
+        for lp_group, flat in zip(zero_param_groups(zopt), flats, strict=True):
             lazy_init_hp_params_optimizer_state(lp_group, flat, inner.state)
     for name, prm in named:
         safe_set_full_fp32_param(prm, model_sd[name].float())
@@ -391,7 +392,7 @@ def _import_zero(zopt, inner, stage: int, named, model_sd: dict, optim_sd: dict)
 def _import_stage0(zopt, inner, named, model_sd: dict, optim_sd: dict) -> None:
     """ZeRO-0: no partitions. In bf16/fp16 DeepSpeed's wrapper keeps one fp32 master per parameter
     (``fp32_groups``), in fp32 the module's parameters are the masters; Adam's state is keyed by them."""
-    masters = [m for g in zopt.fp32_groups for m in g] if hasattr(zopt, "fp32_groups") else [p for _, p in named]
+    masters = zero0_masters(zopt) or [p for _, p in named]
     stepped = {id(p) for g in inner.param_groups for p in g["params"]}  # what the optimizer really updates
     if len(masters) != len(named) or any(id(m) not in stepped for m in masters):
         raise CheckpointError(f"importing into ZeRO-0: the {len(masters)} fp32 masters found for {len(named)} "

@@ -37,6 +37,8 @@ from functools import partial
 from importlib import metadata
 from typing import TYPE_CHECKING
 
+from helpers.core.internals import torch_optimizer
+
 if TYPE_CHECKING:
     import torch
 
@@ -583,7 +585,7 @@ def mode_name(job) -> str:
 def optimizer_impl(optimizer) -> str | None:
     """How the optimizer the job steps runs, read from it: for-loop, foreach, fused, torch-default (foreach
     and fused left unset: torch picks) or null (not a torch optimizer with those options)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds the torch optimizer
+    inner = torch_optimizer(optimizer)  # ZeRO's wrapper holds the torch optimizer
     group = inner.param_groups[0] if getattr(inner, "param_groups", None) else {}
     if "fused" not in group and "foreach" not in group:
         return None

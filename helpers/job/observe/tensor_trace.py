@@ -38,6 +38,13 @@ import torch.distributed as dist
 
 from helpers.compare import STAGES
 from helpers.compare import TRACE_FILE as FILE
+from helpers.core.internals import (
+    dtensor_global_offset,
+    torch_optimizer,
+    zero3_grad_position,
+    zero_flat_masters,
+    zero_param_groups,
+)
 from helpers.core.models import clean_fqn
 from helpers.job import comm
 
@@ -186,10 +193,7 @@ class TensorTracer:
         return hook
 
     def _inner_optimizer(self):
-        if self.engine.backend == "fsdp":
-            return self.engine.optimizer
-        zopt = self.engine.engine.optimizer
-        return getattr(zopt, "optimizer", zopt)
+        return self.engine.optimizer if self.engine.backend == "fsdp" else torch_optimizer(self.engine.engine.optimizer)
 
     def _shards(self):
         """(index, local weight, local reduced grad, global offset of both) on this rank."""
@@ -200,25 +204,24 @@ class TensorTracer:
 
     def _fsdp_shards(self):
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         for p in (t for g in self.engine.optimizer.param_groups for t in g["params"]):
             i = self.index[id(p)]
             coords = p.device_mesh.get_coordinate() or []
             if any(isinstance(pl, Replicate) and c != 0 for pl, c in zip(p.placements, coords, strict=True)):
                 continue  # a replica (NO_SHARD, HSDP): its copy is counted once, by replica 0
-            _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            off = dtensor_global_offset(p)
             stride = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 0
             offset = off[0] * stride if p.dim() else 0
             yield i, p.to_local(), p.grad.to_local() if p.grad is not None else None, offset
 
     def _zero3_shards(self):
         zopt = self.engine.engine.optimizer
-        for group in zopt.fp16_groups:
+        for group in zero_param_groups(zopt):
             for p in group:
                 i = self.index[id(p)]
-                g, dest, part = zopt.grad_position[zopt.get_param_id(p)]
-                flat = zopt.fp32_partitioned_groups_flat[g]
+                g, dest, part = zero3_grad_position(zopt, p)
+                flat = zero_flat_masters(zopt)[g]
                 prank = dist.get_rank(group=p.ds_process_group)
                 valid = max(0, min(part, p.ds_numel - prank * part))  # the last partition is padded
                 grad = flat.grad.narrow(0, dest, valid) if flat.grad is not None else None
@@ -251,7 +254,7 @@ class TensorTracer:
         zopt = self.engine.engine.optimizer
         stepped = {t.data_ptr() for g in optimizer.param_groups for t in g["params"]}
         out = set()
-        for k, flat in enumerate(zopt.fp32_partitioned_groups_flat):
+        for flat, params in zip(zero_flat_masters(zopt), zero_param_groups(zopt), strict=True):
             if flat.data_ptr() in stepped:
-                out |= {self.index[id(p)] for p in zopt.fp16_groups[k]}
+                out |= {self.index[id(p)] for p in params}
         return out

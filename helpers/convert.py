@@ -40,6 +40,7 @@ import time
 import warnings
 from pathlib import Path
 
+from helpers import set_ds_accelerator
 from helpers.core import safeload
 
 TARGETS = ("fsdp", "deepspeed", "hf")
@@ -320,7 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("dst", help="new directory to write (must not exist)")
     ap.add_argument("--to", required=True, help="fsdp, deepspeed or hf")
     args = ap.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_ds_accelerator(cpu=True)
     from helpers.job.checkpoint import CheckpointError
 
     try:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from helpers.core.internals import non_persistent_buffers
 from helpers.core.models import from_pretrained
 from helpers.job import comm
+from helpers.job.observe.memory import proc_status_bytes
 
 METHODS = ("naive", "fsdp_ram_efficient", "zero3_init")
 
@@ -54,15 +55,7 @@ def method_for(job) -> str:
 
 def rss() -> dict[str, int]:
     """RssAnon and RssFile of this process, bytes (Linux); zeros elsewhere."""
-    out = {"RssAnon": 0, "RssFile": 0}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key = line.split(":")[0]
-            if key in out:
-                out[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
+    return proc_status_bytes("RssAnon", "RssFile")
 
 
 class LoadMonitor:

@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from helpers import set_ds_accelerator
 from helpers.core.internals import extension_build_dir, register_loaded_op
 
 AIO_OP = "async_io_guide"  # DeepSpeed's async_io op as helpers.job.observe.offload builds it (one file, no debug info)
@@ -75,7 +74,7 @@ def _aio_builder():
     pinned-buffer manager), built as DeepSpeed builds it, ~25 s on first use: ~1 min in all. Its own
     name keeps this build apart from DeepSpeed's (a process without ``helpers``, sharing the build
     cache, compiles DeepSpeed's own rather than rebuilding this one)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    set_ds_accelerator()
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     class GuideAsyncIO(AsyncIOBuilder):

@@ -37,6 +37,8 @@ from functools import partial
 from importlib import metadata
 from typing import TYPE_CHECKING
 
+from helpers import set_ds_accelerator
+from helpers.core.cli import OneLineParser
 from helpers.core.internals import torch_optimizer
 
 if TYPE_CHECKING:
@@ -49,11 +51,6 @@ if TYPE_CHECKING:
     from helpers.job.observe.observers import Observers
 
 T0 = time.perf_counter()
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, like every other bad input (argparse prints usage + error)
-        self.exit(2, f"error: {message} (see python -m helpers.train --help)\n")
 
 
 def positive_number(flag: str, rule: str):
@@ -77,7 +74,7 @@ BUDGET_GIB = positive_number("--memory-budget-gib", "a number of GiB > 0 (the te
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = _Parser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m helpers.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="Accelerate-format YAML (launch_configs/...)")
     ap.add_argument("--out", required=True, help="run directory to write")
     ap.add_argument("--model", help="preset (tiny, small, medium), config.json or pretrained dir")
@@ -297,7 +294,7 @@ def start(s: JobState) -> None:
             torch.use_deterministic_algorithms(True)  # strict: SDPA then picks deterministic backward kernels
         torch.cuda.set_device(s.device)
     else:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        set_ds_accelerator(cpu=True)
         s.device = torch.device("cpu")
         if s.args.deterministic:
             s.job.notes.append("--deterministic: nothing to change on a CPU (the guide's CPU ops give the same "

@@ -25,6 +25,7 @@ import os
 import sys
 from pathlib import Path
 
+from helpers import set_ds_accelerator
 from helpers.core.families import FAMILIES, write_config
 
 
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        set_ds_accelerator(cpu=True)
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -93,13 +93,24 @@ def state_bytes(engine) -> dict[str, int]:
     return out
 
 
+def proc_status_bytes(*keys: str) -> dict[str, int]:
+    """Fields of this process's /proc/self/status that are in kB (``RssAnon``, ``RssFile``), in bytes; 0 where
+    the file or the field is missing (not Linux)."""
+    out = dict.fromkeys(keys, 0)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in out:
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def rss_anon_bytes() -> int:
-    """Anonymous resident memory of this process (heap, tensors), from /proc/self/status."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """Anonymous resident memory of this process (heap, tensors)."""
+    return proc_status_bytes("RssAnon")["RssAnon"]
 
 
 SIDE_MARK = "guide::outside_training"  # a span the CPU tensor-peak profiler leaves out (tensor_peak)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from helpers.core.dtypes import short
 from helpers.core.internals import (
     fsdp_params,
     torch_optimizer,
@@ -46,16 +47,11 @@ from helpers.core.internals import (
     zero_master_dtype,
     zero_offload,
 )
+from helpers.core.mapping import zero3_local_numel
 from helpers.core.models import clean_fqn
 
-SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
               "grad_before_reduce", "reduce_dtype", "stored_grad", "optimizer_grad", "optimizer_states")
-
-
-def short(dtype) -> str | None:
-    """torch.bfloat16 -> "bf16"; None stays None."""
-    return None if dtype is None else SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 def probe_target(model) -> tuple[str, torch.nn.Module, str]:
@@ -205,8 +201,7 @@ class UpdateTracker:
 
         rank, out = dist.get_rank(), []
         for p in self.engine.module.parameters():
-            part = p.ds_tensor.numel()
-            valid = max(0, min(part, p.ds_numel - rank * part))  # the last rank's shard is padded
+            valid = zero3_local_numel(p.ds_numel, p.ds_tensor.numel(), rank)
             out.append((safe_get_local_fp32_param(p).reshape(-1)[:valid], p.ds_tensor.dtype))
         return out
 

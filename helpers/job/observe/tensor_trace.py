@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from helpers.compare import STAGES
 from helpers.compare import TRACE_FILE as FILE
+from helpers.core.dtypes import short
 from helpers.core.internals import (
     dtensor_global_offset,
     torch_optimizer,
@@ -45,11 +46,11 @@ from helpers.core.internals import (
     zero_flat_masters,
     zero_param_groups,
 )
+from helpers.core.mapping import zero3_local_numel
 from helpers.core.models import clean_fqn
 from helpers.job import comm
 
 _MODS = ((2_147_483_647, 48_271, 11), (2_147_483_629, 69_621, 7))  # (prime, a, b): weight (a*i + b) mod p
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
 def fingerprint(values: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -85,10 +86,6 @@ def check(job) -> str | None:
         if zo.get("offload_optimizer", {}).get("device") == "nvme":
             return "--trace-tensors: the optimizer is on NVMe (offload_optimizer.device = nvme): nothing to read"
     return None
-
-
-def short(dtype) -> str | None:
-    return None if dtype is None else _SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 class TensorTracer:
@@ -223,7 +220,7 @@ class TensorTracer:
                 g, dest, part = zero3_grad_position(zopt, p)
                 flat = zero_flat_masters(zopt)[g]
                 prank = dist.get_rank(group=p.ds_process_group)
-                valid = max(0, min(part, p.ds_numel - prank * part))  # the last partition is padded
+                valid = zero3_local_numel(p.ds_numel, part, prank)
                 grad = flat.grad.narrow(0, dest, valid) if flat.grad is not None else None
                 yield i, flat.narrow(0, dest, valid), grad, prank * part
 

@@ -85,12 +85,6 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def latest(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The complete ``step_K`` with the largest K, or None."""
-    done = [c for c in Path(ckpt_dir).glob("step_*") if (c / META).is_file()]
-    return max(done, key=lambda c: int(c.name.split("_")[1])) if done else None
-
-
 def dir_bytes(path: str | os.PathLike) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from helpers.core.internals import dcp_empty_load_planner, dcp_pickled_private
+
 
 class UnreadableFile(ValueError):
     """A file that cannot be read as a checkpoint file; the message names it and why."""
@@ -51,14 +53,12 @@ def _deepspeed_globals() -> list:
 
 def _dcp_metadata_globals() -> dict[tuple[str, str], object]:
     """What DCP writes into ``.metadata``: its dataclasses, torch.Size, dtypes, layouts, memory formats."""
-    import torch.distributed.checkpoint.filesystem as fs
     import torch.distributed.checkpoint.metadata as md
 
     classes = [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
-               md.TensorProperties, md.MetadataIndex, md.StorageMeta, md._MEM_FORMAT_ENCODING, fs._StorageInfo,
+               md.TensorProperties, md.MetadataIndex, md.StorageMeta,
                torch.Size, pathlib.PosixPath, pathlib.WindowsPath]  # the paths: StorageMeta.checkpoint_id
-    allowed = {(c.__module__, c.__qualname__): c for c in classes}
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> layout lookup
+    allowed = {(c.__module__, c.__qualname__): c for c in classes} | dcp_pickled_private()
     for name in dir(torch):
         v = getattr(torch, name)
         if isinstance(v, torch.dtype | torch.layout | torch.memory_format):
@@ -198,7 +198,7 @@ def dcp_reader_and_planner(dcp_dir: str | os.PathLike, empty: bool = False):
     ``empty=True`` builds the state dict from the checkpoint itself (what ``dcp_to_torch_save`` does),
     for reading a checkpoint without a model."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
@@ -210,7 +210,7 @@ def dcp_reader_and_planner(dcp_dir: str | os.PathLike, empty: bool = False):
             meta.storage_meta.load_id = self.load_id
             return meta
 
-    base = _EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner
+    base = dcp_empty_load_planner() if empty else DefaultLoadPlanner
 
     class SafePlanner(base):
         def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False

@@ -34,9 +34,9 @@ _check: CollectiveCheck | None = None
 
 def device_types(group=None) -> list[str]:
     """Device types ``group`` (default: the world) has a backend for: ['cpu', 'cuda'] for gloo, ['cuda'] for nccl."""
-    from torch.distributed.distributed_c10d import _device_capability
+    from helpers.core.internals import group_device_types
 
-    return _device_capability(group)
+    return group_device_types(group)
 
 
 def device(group=None) -> torch.device:

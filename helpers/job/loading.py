@@ -37,8 +37,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from helpers.core.internals import non_persistent_buffers
 from helpers.core.models import from_pretrained
 from helpers.job import comm
+from helpers.job.observe.memory import proc_status_bytes
 
 METHODS = ("naive", "fsdp_ram_efficient", "zero3_init")
 
@@ -53,15 +55,7 @@ def method_for(job) -> str:
 
 def rss() -> dict[str, int]:
     """RssAnon and RssFile of this process, bytes (Linux); zeros elsewhere."""
-    out = {"RssAnon": 0, "RssFile": 0}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key = line.split(":")[0]
-            if key in out:
-                out[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
+    return proc_status_bytes("RssAnon", "RssFile")
 
 
 class LoadMonitor:
@@ -103,11 +97,11 @@ def fix_rotary(model: torch.nn.Module, device) -> int:
     """Recompute the non-persistent buffers of every rotary-embedding module; returns how many."""
     n = 0
     for m in model.modules():
-        if "inv_freq" in getattr(m, "_buffers", {}) and hasattr(m, "config"):
+        if any(name == "inv_freq" for name, _ in m.named_buffers(recurse=False)) and hasattr(m, "config"):
             with torch.device("cpu"):
                 fresh = type(m)(config=m.config)
-            for name in m._non_persistent_buffers_set:
-                m._buffers[name] = getattr(fresh, name).to(device)
+            for name in non_persistent_buffers(m):
+                setattr(m, name, getattr(fresh, name).to(device))  # a registered buffer: stays one, non-persistent
             n += 1
     return n
 
@@ -139,9 +133,8 @@ def fsdp_fill(engine, spec, dtype, device, offload: bool = False) -> None:
     model.to_empty(device="cpu" if offload else device)
     if offload:
         for m in model.modules():
-            for name, b in m._buffers.items():
-                if b is not None:
-                    m._buffers[name] = b.to(device)
+            for name, b in list(m.named_buffers(recurse=False)):
+                setattr(m, name, b.to(device))
     full = {}
     if dist.get_rank() == 0:
         full = from_pretrained(spec.path, dtype).state_dict()

@@ -41,6 +41,8 @@ from types import SimpleNamespace
 
 import torch
 
+from helpers.core.internals import final_norm, no_split_modules
+
 
 @dataclass
 class Unit:
@@ -54,7 +56,7 @@ def layer_classes(model: torch.nn.Module, setting: str | None) -> list[str]:
     """The class names TRANSFORMER_BASED_WRAP wraps: the setting, else ``_no_split_modules``."""
     if setting:
         return [c.strip() for c in setting.split(",") if c.strip()]
-    return list(getattr(model, "_no_split_modules", None) or [])
+    return no_split_modules(model)
 
 
 class WrapError(ValueError):
@@ -101,7 +103,6 @@ def plan(model: torch.nn.Module, fsdp, notes: list[str] | None = None) -> list[t
     ``fsdp`` is ``helpers.core.config.FSDPOptions``. Raises WrapError when a class to wrap is not in the model.
     Where this guide deliberately differs from Accelerate, one line saying so goes to ``notes``.
     """
-    from accelerate.utils.fsdp_utils import _find_final_norm  # private, but the rule is Accelerate's
     from accelerate.utils.other import get_module_children_bottom_up
 
     names = {id(m): n for n, m in model.named_modules()}
@@ -139,7 +140,7 @@ def plan(model: torch.nn.Module, fsdp, notes: list[str] | None = None) -> list[t
     if not tied and free(inp):
         calls.append(([inp], True))
         wrapped.add(id(inp))
-    tail = [m for m in ((_find_final_norm(model), inp, out) if tied else (_find_final_norm(model), out)) if free(m)]
+    tail = [m for m in ((final_norm(model), inp, out) if tied else (final_norm(model), out)) if free(m)]
     if tail:
         calls.append((tail, False))
         wrapped.update(id(m) for m in tail)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from helpers.core.internals import CHECKPOINT_PREFIX, default_attn_implementation
+from helpers.core.safeload import UnreadableFile, scan_file
 
 # Presets: Llama-style decoders, sized to fit 2-core laptops (tiny, small)
 # and to show memory effects (medium). Extra keys go to LlamaConfig as is.
@@ -83,7 +84,6 @@ def resolve_model(spec: str) -> ModelSpec:
 def _scan_pickled_weights(spec: str, p: Path) -> None:
     """A ``*.bin`` (torch pickle) that would run code is refused before any rank starts (transformers
     reads it with weights_only=True too, but only inside the job, as a failure of rank 0)."""
-    from helpers.core.safeload import UnreadableFile, scan_file
 
     for f in sorted(p.glob("*.bin")):
         try:

@@ -25,10 +25,15 @@ import io
 import os
 import pathlib
 import pickle
+import pickletools
 import re
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint.metadata as md
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
 from helpers.core.internals import dcp_empty_load_planner, dcp_pickled_private
 
@@ -53,7 +58,6 @@ def _deepspeed_globals() -> list:
 
 def _dcp_metadata_globals() -> dict[tuple[str, str], object]:
     """What DCP writes into ``.metadata``: its dataclasses, torch.Size, dtypes, layouts, memory formats."""
-    import torch.distributed.checkpoint.metadata as md
 
     classes = [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
                md.TensorProperties, md.MetadataIndex, md.StorageMeta,
@@ -114,7 +118,6 @@ def scan_file(path: str | os.PathLike, kind: str) -> None:
 
 def _pickle_globals(path) -> list[str]:
     """The globals a bare pickle names, read with pickletools (nothing is unpickled)."""
-    import pickletools
 
     found, strings = [], []
     try:
@@ -172,7 +175,6 @@ def read_dcp_metadata(dcp_dir: str | os.PathLike):
 
 def read_dcp_bytes(dcp_dir: str | os.PathLike) -> dict:
     """Every non-tensor item of a DCP checkpoint, read with ``weights_only=True``: {fqn: value}."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     meta, out = read_dcp_metadata(dcp_dir), {}
     for index, info in (meta.storage_data or {}).items():
@@ -197,14 +199,11 @@ def dcp_reader_and_planner(dcp_dir: str | os.PathLike, empty: bool = False):
 
     ``empty=True`` builds the state dict from the checkpoint itself (what ``dcp_to_torch_save`` does),
     for reading a checkpoint without a model."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             meta = read_dcp_metadata(self.path)
             if getattr(meta, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
 
                 meta.storage_meta = StorageMeta()
             meta.storage_meta.load_id = self.load_id

@@ -39,15 +39,25 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from helpers.core import safeload
-from helpers.core.models import clean_fqn
+from helpers.core.models import clean_fqn, model_config, resolve_model
 from helpers.job.ds_import import CheckpointError, import_deepspeed
 
 META = "meta.json"
@@ -136,7 +146,6 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "nu
 
 def _check_model_config(meta: dict, model: str, path: str) -> None:
     """--model of this job against the model the checkpoint was saved from (before anything starts)."""
-    from helpers.core.models import model_config, resolve_model
 
     saved = meta.get("model_config") or {}
     mine = model_config(resolve_model(model)).to_dict()
@@ -151,7 +160,6 @@ def _check_model_config(meta: dict, model: str, path: str) -> None:
 
 
 def _opts(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(**kw)
 
@@ -183,7 +191,6 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
         tmp.mkdir(parents=True)
     dist.barrier()
     if not tmp.is_dir():  # several nodes: rank 0 made it on its own filesystem
-        import socket
 
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: rank 0's {tmp.name} is not visible on rank {rank} "
                               f"({socket.gethostname()}); put checkpoints on a filesystem every node shares")
@@ -223,11 +230,9 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
             dtypes["model_16bit"] = [str(ds.bfloat16_enabled() and torch.bfloat16 or torch.float16)
                                      .removeprefix("torch.")]
         return "deepspeed", dtypes
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model, optim = engine.model, engine.optimizer
     if job.fsdp.state_dict_type == "SHARDED_STATE_DICT":
-        import torch.distributed.checkpoint as dcp
 
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
         dcp.save(state, checkpoint_id=str(tmp / "dcp"))
@@ -244,7 +249,6 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
 
 
 def rng_state() -> dict:
-    import random
 
     out = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -253,7 +257,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
-    import random
 
     torch.set_rng_state(s["torch"])
     random.setstate(s["python"])
@@ -292,13 +295,6 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
     elif engine.backend == "deepspeed":
         import_deepspeed(engine, state if state is not None else load_full(p))
     elif fmt == "sharded":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
 
         model, optim = engine.model, engine.optimizer
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
@@ -307,7 +303,6 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, optim, sd["optim"])
     else:  # full -> FSDP: rank 0 reads, everyone receives its shard
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         state = (state or load_full(p)) if rank == 0 else {"model": {}, "optim": {}}
         opts = _opts(full_state_dict=True, broadcast_from_rank0=True)

@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from helpers.core.internals import non_persistent_buffers
-from helpers.core.models import from_pretrained
+from helpers.core.models import from_pretrained, model_config, resolve_model
 from helpers.job import comm
 from helpers.job.observe.memory import proc_status_bytes
 
@@ -110,7 +111,6 @@ def meta_model(spec, dtype):
     """The model's modules and shapes on the meta device: no memory, no weights."""
     from transformers import AutoModelForCausalLM
 
-    from helpers.core.models import model_config
 
     cfg = model_config(spec)
     with torch.device("meta"):
@@ -127,7 +127,6 @@ def fsdp_fill(engine, spec, dtype, device, offload: bool = False) -> None:
     enabling CPU offloading"), so they are allocated on the CPU (FSDP2 pins them at its lazy init) and
     only the buffers (RoPE's) go to ``device``, where forward runs.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = engine.model
     model.to_empty(device="cpu" if offload else device)
@@ -193,7 +192,6 @@ def save_preset(preset: str, path: str, seed: int = 0) -> None:
     """A local 'pretrained' checkpoint: the preset with seeded random weights, ``save_pretrained`` (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from helpers.core.models import model_config, resolve_model
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(model_config(resolve_model(preset)), dtype=torch.float32)

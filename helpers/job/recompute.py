@@ -31,6 +31,7 @@ import torch
 
 from helpers.core.config import JobConfig
 from helpers.core.internals import checkpoint_wrappers
+from helpers.job.wrap import layer_classes
 
 
 def requested(job: JobConfig) -> bool:
@@ -82,7 +83,6 @@ def apply(model: torch.nn.Module, job: JobConfig, device: torch.device) -> str |
     log.txt and summary.json (``activation_checkpointing``), or None."""
     offload = offload_requested(job) and device.type != "cpu"
     if job.backend == "fsdp" and requested(job):
-        from helpers.job.wrap import layer_classes
 
         checkpoint_wrapper, offload_wrapper = checkpoint_wrappers()
 

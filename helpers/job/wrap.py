@@ -40,8 +40,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
+from helpers.core.config import ConfigError
 from helpers.core.internals import final_norm, no_split_modules
+from helpers.core.models import model_config
 
 
 @dataclass
@@ -66,7 +69,6 @@ class WrapError(ValueError):
 def _policy(model: torch.nn.Module, fsdp):
     """Accelerate's FSDP2 auto wrap policy (a ``module -> bool``) for these settings, or None (no policy)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     if fsdp.auto_wrap_policy == "NO_WRAP":
         return None
@@ -192,7 +194,6 @@ def meta_model(spec):
     """The model's module tree on the meta device (no memory, no weights): for checks before launch."""
     from transformers import AutoModelForCausalLM
 
-    from helpers.core.models import model_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(model_config(spec))
@@ -200,7 +201,6 @@ def meta_model(spec):
 
 def check_wrap_policy(job, spec) -> list[Unit]:
     """Resolve the wrap policy on a meta copy of the model; ConfigError (one line) when it cannot apply."""
-    from helpers.core.config import ConfigError
 
     try:
         model = meta_model(spec)

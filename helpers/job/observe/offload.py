@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from helpers.core.config import ConfigError
 from helpers.core.internals import (
     fsdp_params,
     zero3_partition_on_nvme,
@@ -213,7 +214,6 @@ def prepare(job, out: str, local_rank: int = 0) -> list[str]:
     each relative path and its home, for ``link_swap_dirs``.
     Raises helpers.core.config.ConfigError (one line) before any rank starts. Returns notes for log.txt.
     """
-    from helpers.core.config import ConfigError
 
     if job.backend != "deepspeed":
         return []

@@ -48,7 +48,7 @@ from helpers.core.internals import (
     zero_offload,
 )
 from helpers.core.mapping import zero3_local_numel
-from helpers.core.models import clean_fqn
+from helpers.core.models import clean_fqn, decoder_layers
 
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
               "grad_before_reduce", "reduce_dtype", "stored_grad", "optimizer_grad", "optimizer_states")
@@ -56,7 +56,6 @@ PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forw
 
 def probe_target(model) -> tuple[str, torch.nn.Module, str]:
     """(fully qualified name, owning module, attribute) of the first 2-D weight in the first block."""
-    from helpers.core.models import decoder_layers
 
     block = decoder_layers(model)[0]
     prefix = next(n for n, m in model.named_modules() if m is block)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from helpers.core.internals import cpu_memory_profiler_start, cpu_memory_profiler_stop, profiler_events
+from helpers.job.observe.memory import SIDE_MARK
 from helpers.job.observe.profiling import _quiet_stderr as _quiet_fd2  # Kineto prints a line on fd 2 at start and stop
 
 MARK = "guide::tensor_peak_window"
@@ -77,7 +78,6 @@ def cpu_allocations(roots) -> tuple[int | None, list[tuple[int, int, object]]]:
 
 def _side_spans(roots) -> list[tuple[int, int]]:
     """(start, end) ns of the spans marked as not training (helpers.job.observe.memory.SIDE_MARK: checkpoint saves)."""
-    from helpers.job.observe.memory import SIDE_MARK
 
     return [(start, end) for _, name, start, end, _ in profiler_events(roots) if name == SIDE_MARK]
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 
 from helpers.core.dtypes import short
 from helpers.core.internals import (
@@ -200,7 +201,6 @@ class TensorTracer:
             yield from self._zero3_shards()
 
     def _fsdp_shards(self):
-        from torch.distributed.tensor import Replicate
 
         for p in (t for g in self.engine.optimizer.param_groups for t in g["params"]):
             i = self.index[id(p)]

@@ -24,3 +24,17 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(CHECKOUT / "build" / "torch_ex
 _BIN = os.path.dirname(sys.executable)
 if os.path.exists(os.path.join(_BIN, "ninja")) and os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
     os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
+
+
+def set_ds_accelerator(cpu: bool | None = None) -> None:
+    """Tell DeepSpeed its accelerator, unless ``DS_ACCELERATOR`` is set already: "cpu" when ``cpu`` (default:
+    when torch sees no GPU), else "cuda".
+
+    DeepSpeed reads the variable once, at its first ``get_accelerator()``, which importing most of it (or
+    transformers, which imports it when installed) triggers; so this runs before DeepSpeed is imported. Unset
+    on a CPU-only machine, DeepSpeed guesses the CPU and says so with a warning on every rank."""
+    if cpu is None:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if cpu else "cuda")

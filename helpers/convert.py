@@ -18,7 +18,7 @@ consolidated fp32 layout, parameter by parameter, by name::
   job that resumes it does the import at start-up, for any world size and
   ZeRO stage: weights into the module before ``deepspeed.initialize``, then
   the fp32 master and Adam state (``safe_set_full_fp32_param`` /
-  ``safe_set_full_optimizer_state``; see helpers.job.checkpoint._import_deepspeed).
+  ``safe_set_full_optimizer_state``; see helpers.job.ds_import.import_deepspeed).
 - ``--to hf`` writes ``config.json`` + ``model.safetensors`` (fp32 weights, no
   optimizer): loadable with ``from_pretrained`` or ``--model DIR``.
 
@@ -40,6 +40,7 @@ import time
 import warnings
 from pathlib import Path
 
+from helpers import set_ds_accelerator
 from helpers.core import safeload
 
 TARGETS = ("fsdp", "deepspeed", "hf")
@@ -320,7 +321,7 @@ def main(argv=None) -> int:
     ap.add_argument("dst", help="new directory to write (must not exist)")
     ap.add_argument("--to", required=True, help="fsdp, deepspeed or hf")
     args = ap.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_ds_accelerator(cpu=True)
     from helpers.job.checkpoint import CheckpointError
 
     try:

@@ -87,6 +87,7 @@ import sys
 
 from helpers import CHECKOUT
 from helpers.core import mapping
+from helpers.core.cli import OneLineParser
 from helpers.core.footprint import (
     CUBLAS_DEFAULT,
     CUBLAS_WORKSPACES,
@@ -234,11 +235,6 @@ def largest_micro_batch(job, shapes: Shapes, world_size: int, seq_len: int, budg
 # --------------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message} (see python -m helpers.estimate --help)\n")
-
-
 def _positive(kind):
     def parse(text):
         try:
@@ -252,7 +248,7 @@ def _positive(kind):
 
 
 def parse_args(argv=None):
-    ap = _Parser(prog="python -m helpers.estimate", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m helpers.estimate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="launch config (launch_configs/...)")
     ap.add_argument("--model", help="preset (tiny, small, medium), config.json or a directory; default: the config's")
     ap.add_argument("--world-size", type=_positive(int), required=True, help="ranks")

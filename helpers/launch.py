@@ -20,13 +20,14 @@ the first node of the allocation as the master.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+
+from helpers.core.cli import OneLineParser
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 29500  # torchrun's own default; pick another for a second job on the same head node
@@ -70,15 +71,10 @@ def torchrun_command(train_args: list[str], nnodes: int = 1, nproc_per_node: int
     return [*cmd, "-m", "helpers.train", *train_args]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message} (see python -m helpers.launch --help)\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    ap = _Parser(prog="python -m helpers.launch", description=__doc__.split("\n\n")[0],
+    ap = OneLineParser(prog="python -m helpers.launch", description=__doc__.split("\n\n")[0],
                  epilog="Everything after -- goes to helpers.train (--config ... --out ...).")
     ap.add_argument("--nnodes", type=int, default=1)
     ap.add_argument("--nproc-per-node", type=int, default=1)

@@ -1,15 +1,13 @@
 """``python -m helpers.loading PRESET DIR``: write a pretrained checkpoint to DIR (the code: helpers.job.loading)."""
 
-import os
 import sys
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m helpers.loading PRESET DIR   (writes a pretrained checkpoint to DIR)")
-    import torch
+    from helpers import set_ds_accelerator
 
-    # transformers imports DeepSpeed when it is installed; without this it warns that it guessed the CPU
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    set_ds_accelerator()  # transformers imports DeepSpeed when it is installed
     from helpers.job.loading import save_preset
 
     save_preset(sys.argv[1], sys.argv[2])

@@ -27,10 +27,10 @@ for ever: this step, and every DeepSpeed CPU job, removes such a lock first
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
+from helpers import set_ds_accelerator
 from helpers.job.ops import clear_stale_locks
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         print("warmup: a GPU is visible; DeepSpeed builds its CUDA ops when first used")
         return 0
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    set_ds_accelerator(cpu=True)
     for note in clear_stale_locks():
         print(f"warmup: {note}")
     t0 = time.perf_counter()

@@ -96,9 +96,9 @@ def main():
     state = safeload.load(out / "back" / "full.pt", "full")
     fresh = build(stage, state)
 
-    from helpers.job.checkpoint import _import_deepspeed
+    from helpers.job.ds_import import import_deepspeed
 
-    _import_deepspeed(SimpleNamespace(engine=fresh, module=fresh.module), state)
+    import_deepspeed(SimpleNamespace(engine=fresh, module=fresh.module), state)
     losses["resume"] = train(fresh, 3)
     if rank == 0:
         (out / "loss3.json").write_text(json.dumps(losses))

@@ -142,17 +142,18 @@ def test_nvme_states_are_measured_on_disk(offload_runs):
 def test_deepspeed_swaps_with_our_async_io_built_as_one_file_without_debug_info(offload_runs):
     """The NVMe job above loaded (or built) helpers.job.observe.offload's build of async_io; DeepSpeed compiled no other."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
-    from torch.utils.cpp_extension import _get_build_directory
+
+    from helpers.core.internals import extension_build_dir
 
     ours = ops.load_aio()
     assert AsyncIOBuilder().load(verbose=False) is ours  # what DeepSpeed's swappers get in a process that loaded ours
-    built = Path(_get_build_directory(ops.AIO_OP, verbose=False))
+    built = Path(extension_build_dir(ops.AIO_OP))
     cflags = next(line for line in (built / "build.ninja").read_text().splitlines() if line.startswith("cflags ="))
     assert "-O0" in cflags.split() and "-g" not in cflags.split(), cflags
     objects = sorted(f.name for f in built.glob("*.o"))  # py_lib's nine sources as one, common's three alone
     assert objects == sorted(["_all_py_lib.o", "deepspeed_aio_common.o", "deepspeed_aio_types.o",
                               "deepspeed_aio_utils.o"]), objects
-    theirs = Path(_get_build_directory(AsyncIOBuilder.NAME, verbose=False))
+    theirs = Path(extension_build_dir(AsyncIOBuilder.NAME))
     touched = [f.name for f in theirs.glob("*") if f.stat().st_mtime >= STARTED]
     assert not touched, f"a job built DeepSpeed's own {AsyncIOBuilder.NAME} op: {touched}"
 

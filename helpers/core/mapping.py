@@ -122,6 +122,13 @@ def job_theory_bytes(job, num_params: int, world_size: int) -> dict[str, float]:
                         model_dtype_bytes=4 if job.train.model_dtype == "fp32" else 2)
 
 
+def zero3_local_numel(numel: int, part: int, rank: int) -> int:
+    """How many of a ZeRO-3 parameter's ``numel`` elements rank ``rank``'s partition of ``part`` elements holds.
+    Rank r holds elements [r * part, (r + 1) * part); part is numel / ranks rounded up, so the last ranks'
+    partitions end in padding (zeros), or are all padding."""
+    return max(0, min(part, numel - rank * part))
+
+
 def mode_key(job) -> str:
     """The MODES key of a JobConfig."""
     if job.backend == "fsdp":

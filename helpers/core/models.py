@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+from helpers.core.internals import CHECKPOINT_PREFIX, default_attn_implementation
+from helpers.core.safeload import UnreadableFile, scan_file
+
 # Presets: Llama-style decoders, sized to fit 2-core laptops (tiny, small)
 # and to show memory effects (medium). Extra keys go to LlamaConfig as is.
 PRESETS: dict[str, dict] = {
@@ -81,7 +84,6 @@ def resolve_model(spec: str) -> ModelSpec:
 def _scan_pickled_weights(spec: str, p: Path) -> None:
     """A ``*.bin`` (torch pickle) that would run code is refused before any rank starts (transformers
     reads it with weights_only=True too, but only inside the job, as a failure of rank 0)."""
-    from helpers.core.safeload import UnreadableFile, scan_file
 
     for f in sorted(p.glob("*.bin")):
         try:
@@ -103,8 +105,7 @@ def model_config(spec: ModelSpec):
         cfg = AutoConfig.for_model(**raw)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise ModelSpecError(f"--model {spec.name!r}: cannot read {path}: {e}") from None
-    if getattr(cfg, "_attn_implementation_internal", None) is None:
-        cfg._attn_implementation = "sdpa"
+    default_attn_implementation(cfg, "sdpa")
     return cfg
 
 
@@ -150,9 +151,6 @@ def decoder_layers(model) -> list[torch.nn.Module]:
         if isinstance(obj, torch.nn.ModuleList):
             return list(obj)
     raise ModelSpecError(f"cannot find the transformer blocks of {type(model).__name__}")
-
-
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper / offload_wrapper (job.recompute)
 
 
 def clean_fqn(name: str) -> str:

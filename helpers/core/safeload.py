@@ -25,10 +25,17 @@ import io
 import os
 import pathlib
 import pickle
+import pickletools
 import re
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint.metadata as md
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+from helpers.core.internals import dcp_empty_load_planner, dcp_pickled_private
 
 
 class UnreadableFile(ValueError):
@@ -51,14 +58,11 @@ def _deepspeed_globals() -> list:
 
 def _dcp_metadata_globals() -> dict[tuple[str, str], object]:
     """What DCP writes into ``.metadata``: its dataclasses, torch.Size, dtypes, layouts, memory formats."""
-    import torch.distributed.checkpoint.filesystem as fs
-    import torch.distributed.checkpoint.metadata as md
 
     classes = [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
-               md.TensorProperties, md.MetadataIndex, md.StorageMeta, md._MEM_FORMAT_ENCODING, fs._StorageInfo,
+               md.TensorProperties, md.MetadataIndex, md.StorageMeta,
                torch.Size, pathlib.PosixPath, pathlib.WindowsPath]  # the paths: StorageMeta.checkpoint_id
-    allowed = {(c.__module__, c.__qualname__): c for c in classes}
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> layout lookup
+    allowed = {(c.__module__, c.__qualname__): c for c in classes} | dcp_pickled_private()
     for name in dir(torch):
         v = getattr(torch, name)
         if isinstance(v, torch.dtype | torch.layout | torch.memory_format):
@@ -114,7 +118,6 @@ def scan_file(path: str | os.PathLike, kind: str) -> None:
 
 def _pickle_globals(path) -> list[str]:
     """The globals a bare pickle names, read with pickletools (nothing is unpickled)."""
-    import pickletools
 
     found, strings = [], []
     try:
@@ -172,7 +175,6 @@ def read_dcp_metadata(dcp_dir: str | os.PathLike):
 
 def read_dcp_bytes(dcp_dir: str | os.PathLike) -> dict:
     """Every non-tensor item of a DCP checkpoint, read with ``weights_only=True``: {fqn: value}."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     meta, out = read_dcp_metadata(dcp_dir), {}
     for index, info in (meta.storage_data or {}).items():
@@ -197,20 +199,17 @@ def dcp_reader_and_planner(dcp_dir: str | os.PathLike, empty: bool = False):
 
     ``empty=True`` builds the state dict from the checkpoint itself (what ``dcp_to_torch_save`` does),
     for reading a checkpoint without a model."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args, **kwargs):
             meta = read_dcp_metadata(self.path)
             if getattr(meta, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
 
                 meta.storage_meta = StorageMeta()
             meta.storage_meta.load_id = self.load_id
             return meta
 
-    base = _EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner
+    base = dcp_empty_load_planner() if empty else DefaultLoadPlanner
 
     class SafePlanner(base):
         def load_bytes(self, read_item, value):  # torch's own unpickles with weights_only=False

@@ -6,16 +6,11 @@ from __future__ import annotations
 import argparse
 import math
 
+from helpers.core.cli import OneLineParser
+
 OVERRIDES = ("model", "steps", "lr", "seed", "micro_batch", "seq_len", "grad_accum", "grad_clip", "timeout",
              "model_dtype", "compile", "optimizer_impl")  # the flags that override the launch config (helpers.config)
 
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but bad input is one line, like every other bad input (argparse prints usage + error)."""
-
-    def error(self, message):
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def positive_number(flag: str, rule: str):

@@ -39,22 +39,29 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import socket
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from helpers.core import safeload
-from helpers.core.models import clean_fqn
+from helpers.core.models import clean_fqn, model_config, resolve_model
+from helpers.job.ds_import import CheckpointError, import_deepspeed
 
 META = "meta.json"
 FORMATS = ("sharded", "full", "deepspeed")
-
-
-class CheckpointError(ValueError):
-    """A directory that cannot be resumed or converted; the message says why and what to do."""
 
 
 # --------------------------------------------------------------------------- reading what is on disk
@@ -82,12 +89,6 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not (p / need).exists():
         raise CheckpointError(f"checkpoint {p}: partial checkpoint ({need} is missing)")
     return meta
-
-
-def latest(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The complete ``step_K`` with the largest K, or None."""
-    done = [c for c in Path(ckpt_dir).glob("step_*") if (c / META).is_file()]
-    return max(done, key=lambda c: int(c.name.split("_")[1])) if done else None
 
 
 def dir_bytes(path: str | os.PathLike) -> int:
@@ -145,7 +146,6 @@ ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "nu
 
 def _check_model_config(meta: dict, model: str, path: str) -> None:
     """--model of this job against the model the checkpoint was saved from (before anything starts)."""
-    from helpers.core.models import model_config, resolve_model
 
     saved = meta.get("model_config") or {}
     mine = model_config(resolve_model(model)).to_dict()
@@ -160,7 +160,6 @@ def _check_model_config(meta: dict, model: str, path: str) -> None:
 
 
 def _opts(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(**kw)
 
@@ -192,7 +191,6 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
         tmp.mkdir(parents=True)
     dist.barrier()
     if not tmp.is_dir():  # several nodes: rank 0 made it on its own filesystem
-        import socket
 
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir}: rank 0's {tmp.name} is not visible on rank {rank} "
                               f"({socket.gethostname()}); put checkpoints on a filesystem every node shares")
@@ -232,11 +230,9 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
             dtypes["model_16bit"] = [str(ds.bfloat16_enabled() and torch.bfloat16 or torch.float16)
                                      .removeprefix("torch.")]
         return "deepspeed", dtypes
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     model, optim = engine.model, engine.optimizer
     if job.fsdp.state_dict_type == "SHARDED_STATE_DICT":
-        import torch.distributed.checkpoint as dcp
 
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
         dcp.save(state, checkpoint_id=str(tmp / "dcp"))
@@ -253,7 +249,6 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
 
 
 def rng_state() -> dict:
-    import random
 
     out = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -262,7 +257,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
-    import random
 
     torch.set_rng_state(s["torch"])
     random.setstate(s["python"])
@@ -299,15 +293,8 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
         if load_path is None:
             raise CheckpointError(f"checkpoint {p}: DeepSpeed found nothing to load in {p / 'ds'}")
     elif engine.backend == "deepspeed":
-        _import_deepspeed(engine, state if state is not None else load_full(p))
+        import_deepspeed(engine, state if state is not None else load_full(p))
     elif fmt == "sharded":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
 
         model, optim = engine.model, engine.optimizer
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
@@ -316,7 +303,6 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
         set_model_state_dict(model, sd["model"])
         set_optimizer_state_dict(model, optim, sd["optim"])
     else:  # full -> FSDP: rank 0 reads, everyone receives its shard
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         state = (state or load_full(p)) if rank == 0 else {"model": {}, "optim": {}}
         opts = _opts(full_state_dict=True, broadcast_from_rank0=True)
@@ -326,81 +312,6 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
     if rng.is_file() and meta["world_size"] == dist.get_world_size():
         set_rng_state(safeload.load(rng, "rng"))
     return int(meta["step"])
-
-
-def _import_deepspeed(engine, state: dict) -> None:
-    """Consolidated fp32 state -> a live DeepSpeed engine, any ZeRO stage (weights were loaded before
-    initialize). Each value is written into the engine's own fp32 master and Adam state, then read back:
-    a stage whose tensors we cannot reach is an error, never a silent restart of Adam."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    model_sd, optim_sd = state["model"], state["optim"]
-    steps = {float(s["step"]) for s in optim_sd["state"].values()}
-    if len(steps) != 1:
-        raise CheckpointError(f"optimizer state has several step counts {sorted(steps)}; cannot import")
-    step = steps.pop()
-    zopt = engine.engine.optimizer
-    stage = engine.engine.zero_optimization_stage()
-    inner = zopt.optimizer if hasattr(zopt, "optimizer") else zopt  # the torch AdamW over fp32 masters
-    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]  # frozen: weights only
-    if stage == 0:
-        _import_stage0(zopt, inner, named, model_sd, optim_sd)
-    else:
-        _import_zero(zopt, inner, stage, named, model_sd, optim_sd)
-    for s in inner.state.values():  # torch Adam: a tensor (on the host); DeepSpeed's FusedAdam: a number
-        if torch.is_tensor(s["step"]):
-            s["step"].fill_(step)
-        else:
-            s["step"] = int(step)
-    groups = optim_sd["param_groups"]
-    for g_live in inner.param_groups:  # lr, betas, eps, weight_decay as saved
-        for k in ("lr", "betas", "eps", "weight_decay"):
-            if k in groups[0]:
-                g_live[k] = groups[0][k]
-    name, prm = named[-1]  # read one back through DeepSpeed's own accessors (on the GPU there; the file: CPU)
-    if stage and not (torch.equal(safe_get_full_fp32_param(prm).cpu(), model_sd[name].float())
-                      and torch.equal(safe_get_full_optimizer_state(prm, "exp_avg").cpu(),
-                                      optim_sd["state"][name]["exp_avg"].float())):
-        raise CheckpointError(f"importing into ZeRO-{stage}: {name} did not take the checkpoint's values")
-
-
-def _import_zero(zopt, inner, stage: int, named, model_sd: dict, optim_sd: dict) -> None:
-    """ZeRO 1-3: DeepSpeed maps each parameter to its fragment of the flat fp32 partitions."""
-    from deepspeed.utils import (
-        lazy_init_hp_params_optimizer_state,
-        safe_set_full_fp32_param,
-        safe_set_full_optimizer_state,
-    )
-
-    # Torch Adam creates its state at the first step, so a fresh engine has none: create it (zeros), then
-    # overwrite it. ZeRO 1-2 also link each parameter to its slice of that state only after the first step.
-    flats = zopt.fp32_partitioned_groups_flat if stage == 3 else zopt.single_partition_of_fp32_groups
-    for flat in flats:
-        if not inner.state.get(flat):
-            inner.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
-                                 "exp_avg_sq": torch.zeros_like(flat)}
-    if stage < 3:
-        for lp_group, flat in zip(zopt.bit16_groups, flats, strict=True):
-            lazy_init_hp_params_optimizer_state(lp_group, flat, inner.state)
-    for name, prm in named:
-        safe_set_full_fp32_param(prm, model_sd[name].float())
-        for key in ("exp_avg", "exp_avg_sq"):
-            safe_set_full_optimizer_state(prm, optim_sd["state"][name][key].float(), key)
-
-
-def _import_stage0(zopt, inner, named, model_sd: dict, optim_sd: dict) -> None:
-    """ZeRO-0: no partitions. In bf16/fp16 DeepSpeed's wrapper keeps one fp32 master per parameter
-    (``fp32_groups``), in fp32 the module's parameters are the masters; Adam's state is keyed by them."""
-    masters = [m for g in zopt.fp32_groups for m in g] if hasattr(zopt, "fp32_groups") else [p for _, p in named]
-    stepped = {id(p) for g in inner.param_groups for p in g["params"]}  # what the optimizer really updates
-    if len(masters) != len(named) or any(id(m) not in stepped for m in masters):
-        raise CheckpointError(f"importing into ZeRO-0: the {len(masters)} fp32 masters found for {len(named)} "
-                              "parameters are not the tensors the optimizer steps")
-    for (name, _), m in zip(named, masters, strict=True):
-        m.data.copy_(model_sd[name])
-        s = optim_sd["state"][name]
-        inner.state[m] = {"step": torch.tensor(0.0), "exp_avg": s["exp_avg"].to(m.device, torch.float32).clone(),
-                          "exp_avg_sq": s["exp_avg_sq"].to(m.device, torch.float32).clone()}
 
 
 def check_args(args, job, world_size: int) -> dict | None:

@@ -20,11 +20,13 @@ Also here: ``check_local_device`` (one GPU per rank on this node, checked before
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from helpers import CHECKOUT
+from helpers.core.internals import group_device_types
 
 _REPO = str(CHECKOUT) + "/"
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
@@ -34,9 +36,8 @@ _check: CollectiveCheck | None = None
 
 def device_types(group=None) -> list[str]:
     """Device types ``group`` (default: the world) has a backend for: ['cpu', 'cuda'] for gloo, ['cuda'] for nccl."""
-    from torch.distributed.distributed_c10d import _device_capability
 
-    return _device_capability(group)
+    return group_device_types(group)
 
 
 def device(group=None) -> torch.device:
@@ -89,7 +90,6 @@ class CollectiveCheck:
         self._saved: dict[str, object] = {}
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        import weakref
 
         copy = t.clone()
         self._placed[id(copy)] = weakref.ref(copy)

@@ -36,9 +36,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from helpers.core.models import from_pretrained
+from helpers.core.internals import non_persistent_buffers
+from helpers.core.models import from_pretrained, model_config, resolve_model
 from helpers.job import comm
+from helpers.job.observe.memory import proc_status_bytes
 
 METHODS = ("naive", "fsdp_ram_efficient", "zero3_init")
 
@@ -53,15 +56,7 @@ def method_for(job) -> str:
 
 def rss() -> dict[str, int]:
     """RssAnon and RssFile of this process, bytes (Linux); zeros elsewhere."""
-    out = {"RssAnon": 0, "RssFile": 0}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key = line.split(":")[0]
-            if key in out:
-                out[key] = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return out
+    return proc_status_bytes("RssAnon", "RssFile")
 
 
 class LoadMonitor:
@@ -103,11 +98,11 @@ def fix_rotary(model: torch.nn.Module, device) -> int:
     """Recompute the non-persistent buffers of every rotary-embedding module; returns how many."""
     n = 0
     for m in model.modules():
-        if "inv_freq" in getattr(m, "_buffers", {}) and hasattr(m, "config"):
+        if any(name == "inv_freq" for name, _ in m.named_buffers(recurse=False)) and hasattr(m, "config"):
             with torch.device("cpu"):
                 fresh = type(m)(config=m.config)
-            for name in m._non_persistent_buffers_set:
-                m._buffers[name] = getattr(fresh, name).to(device)
+            for name in non_persistent_buffers(m):
+                setattr(m, name, getattr(fresh, name).to(device))  # a registered buffer: stays one, non-persistent
             n += 1
     return n
 
@@ -116,7 +111,6 @@ def meta_model(spec, dtype):
     """The model's modules and shapes on the meta device: no memory, no weights."""
     from transformers import AutoModelForCausalLM
 
-    from helpers.core.models import model_config
 
     cfg = model_config(spec)
     with torch.device("meta"):
@@ -133,15 +127,13 @@ def fsdp_fill(engine, spec, dtype, device, offload: bool = False) -> None:
     enabling CPU offloading"), so they are allocated on the CPU (FSDP2 pins them at its lazy init) and
     only the buffers (RoPE's) go to ``device``, where forward runs.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = engine.model
     model.to_empty(device="cpu" if offload else device)
     if offload:
         for m in model.modules():
-            for name, b in m._buffers.items():
-                if b is not None:
-                    m._buffers[name] = b.to(device)
+            for name, b in list(m.named_buffers(recurse=False)):
+                setattr(m, name, b.to(device))
     full = {}
     if dist.get_rank() == 0:
         full = from_pretrained(spec.path, dtype).state_dict()
@@ -200,7 +192,6 @@ def save_preset(preset: str, path: str, seed: int = 0) -> None:
     """A local 'pretrained' checkpoint: the preset with seeded random weights, ``save_pretrained`` (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from helpers.core.models import model_config, resolve_model
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(model_config(resolve_model(preset)), dtype=torch.float32)

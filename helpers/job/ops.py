@@ -14,7 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from helpers import set_ds_accelerator
+from helpers.core.internals import extension_build_dir, register_loaded_op
 
 AIO_OP = "async_io_guide"  # DeepSpeed's async_io op as helpers.job.observe.offload builds it (one file, no debug info)
 OPS = ("deepspeed_shm_comm", AIO_OP)  # the CPU ops built here (names of their build dirs)
@@ -28,11 +29,9 @@ def clear_stale_locks(names=OPS, min_age_s: float = 60.0) -> list[str]:
     every later job that needs the op waits on it for ever. A lock is stale when no process works in that
     directory (ninja and the compilers run there) and it is older than ``min_age_s`` (the time between
     taking the lock and starting ninja)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
     notes = []
     for name in names:
-        d = Path(_get_build_directory(name, verbose=False))
+        d = Path(extension_build_dir(name))
         lock = d / "lock"
         try:
             age = time.time() - lock.stat().st_mtime
@@ -75,7 +74,7 @@ def _aio_builder():
     pinned-buffer manager), built as DeepSpeed builds it, ~25 s on first use: ~1 min in all. Its own
     name keeps this build apart from DeepSpeed's (a process without ``helpers``, sharing the build
     cache, compiles DeepSpeed's own rather than rebuilding this one)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    set_ds_accelerator()
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     class GuideAsyncIO(AsyncIOBuilder):
@@ -108,9 +107,8 @@ def _staged_aio_sources(sources: list[str], include_paths: list[str]) -> Path:
     calls this; the first to finish renames its copy into place, the others drop theirs)."""
 
     import deepspeed
-    from torch.utils.cpp_extension import _get_build_directory
 
-    build = Path(_get_build_directory(AIO_OP, verbose=False))
+    build = Path(extension_build_dir(AIO_OP))
     root = build / f"src-deepspeed-{deepspeed.__version__}"
     if root.is_dir():
         return root
@@ -135,10 +133,9 @@ def load_aio():
     DeepSpeed's swappers call ``AsyncIOBuilder().load()``, which returns an op already in
     ``OpBuilder._loaded_ops`` under its name; this process's load puts ours there first."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
-    from deepspeed.ops.op_builder.builder import OpBuilder
 
     module = _aio_builder().load(verbose=False)
-    OpBuilder._loaded_ops[AsyncIOBuilder.NAME] = module
+    register_loaded_op(AsyncIOBuilder.NAME, module)
     return module
 
 
@@ -175,10 +172,8 @@ def aio_status() -> tuple[bool, str]:
 
 
 def _built(name: str) -> bool:
-    from torch.utils.cpp_extension import _get_build_directory
-
     try:
-        d = Path(_get_build_directory(name, verbose=False))
+        d = Path(extension_build_dir(name))
     except Exception:  # noqa: BLE001 - an unusable cache dir just means "not built"
         return False
     return any(d.glob(f"{name}*.so"))

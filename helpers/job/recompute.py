@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 
 from helpers.core.config import JobConfig
+from helpers.core.internals import checkpoint_wrappers
+from helpers.job.wrap import layer_classes
 
 
 def requested(job: JobConfig) -> bool:
@@ -81,9 +83,8 @@ def apply(model: torch.nn.Module, job: JobConfig, device: torch.device) -> str |
     log.txt and summary.json (``activation_checkpointing``), or None."""
     offload = offload_requested(job) and device.type != "cpu"
     if job.backend == "fsdp" and requested(job):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
 
-        from helpers.job.wrap import layer_classes
+        checkpoint_wrapper, offload_wrapper = checkpoint_wrappers()
 
         if model_checkpoints(model):
             model.activation_checkpointing_disable()

@@ -33,6 +33,7 @@ import warnings
 from datetime import timedelta
 from functools import partial
 
+from helpers import set_ds_accelerator
 from helpers.job.args import OVERRIDES, parse_args
 from helpers.job.backends import apply_backend, optimizer_impl
 from helpers.job.checks import check_observers, checkpointing_notes, resolve_job
@@ -149,7 +150,7 @@ def start(s: JobState) -> None:
             torch.use_deterministic_algorithms(True)  # strict: SDPA then picks deterministic backward kernels
         torch.cuda.set_device(s.device)
     else:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        set_ds_accelerator(cpu=True)
         s.device = torch.device("cpu")
         if s.args.deterministic:
             s.job.notes.append("--deterministic: nothing to change on a CPU (the guide's CPU ops give the same "

@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from helpers.core.cli import OneLineParser
 from helpers.core.families import FAMILIES, write_config
-from helpers.job.args import OneLineParser
 
 
 def family_args(config: str, out: Path, name: str, steps: int, extra: list[str]) -> list[str]:

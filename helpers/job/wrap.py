@@ -40,6 +40,11 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+from helpers.core.config import ConfigError
+from helpers.core.internals import final_norm, no_split_modules
+from helpers.core.models import model_config
 
 
 @dataclass
@@ -54,7 +59,7 @@ def layer_classes(model: torch.nn.Module, setting: str | None) -> list[str]:
     """The class names TRANSFORMER_BASED_WRAP wraps: the setting, else ``_no_split_modules``."""
     if setting:
         return [c.strip() for c in setting.split(",") if c.strip()]
-    return list(getattr(model, "_no_split_modules", None) or [])
+    return no_split_modules(model)
 
 
 class WrapError(ValueError):
@@ -64,7 +69,6 @@ class WrapError(ValueError):
 def _policy(model: torch.nn.Module, fsdp):
     """Accelerate's FSDP2 auto wrap policy (a ``module -> bool``) for these settings, or None (no policy)."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     if fsdp.auto_wrap_policy == "NO_WRAP":
         return None
@@ -101,7 +105,6 @@ def plan(model: torch.nn.Module, fsdp, notes: list[str] | None = None) -> list[t
     ``fsdp`` is ``helpers.core.config.FSDPOptions``. Raises WrapError when a class to wrap is not in the model.
     Where this guide deliberately differs from Accelerate, one line saying so goes to ``notes``.
     """
-    from accelerate.utils.fsdp_utils import _find_final_norm  # private, but the rule is Accelerate's
     from accelerate.utils.other import get_module_children_bottom_up
 
     names = {id(m): n for n, m in model.named_modules()}
@@ -139,7 +142,7 @@ def plan(model: torch.nn.Module, fsdp, notes: list[str] | None = None) -> list[t
     if not tied and free(inp):
         calls.append(([inp], True))
         wrapped.add(id(inp))
-    tail = [m for m in ((_find_final_norm(model), inp, out) if tied else (_find_final_norm(model), out)) if free(m)]
+    tail = [m for m in ((final_norm(model), inp, out) if tied else (final_norm(model), out)) if free(m)]
     if tail:
         calls.append((tail, False))
         wrapped.update(id(m) for m in tail)
@@ -191,7 +194,6 @@ def meta_model(spec):
     """The model's module tree on the meta device (no memory, no weights): for checks before launch."""
     from transformers import AutoModelForCausalLM
 
-    from helpers.core.models import model_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(model_config(spec))
@@ -199,7 +201,6 @@ def meta_model(spec):
 
 def check_wrap_policy(job, spec) -> list[Unit]:
     """Resolve the wrap policy on a meta copy of the model; ConfigError (one line) when it cannot apply."""
-    from helpers.core.config import ConfigError
 
     try:
         model = meta_model(spec)

@@ -58,11 +58,6 @@ def load_runs(*paths: str | Path) -> list[Run]:
     return [load_run(p) for p in paths]
 
 
-def loss_table(runs: list[Run]) -> pd.DataFrame:
-    """Loss per step (rows) for each run (columns, named by run)."""
-    return pd.DataFrame({r.name: r.metrics.set_index("step")["loss"] for r in runs})
-
-
 def summary_table(runs: list[Run], keys=("backend", "mode", "world_size", "num_params", "final_loss",
                                           "step_time_s", "tokens_per_s_per_rank")) -> pd.DataFrame:
     return pd.DataFrame([{k: r.summary.get(k) for k in keys} for r in runs], index=[r.name for r in runs])

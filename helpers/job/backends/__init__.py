@@ -5,7 +5,9 @@
 def optimizer_impl(optimizer) -> str | None:
     """How the optimizer the job steps runs, read from it: for-loop, foreach, fused, torch-default (foreach
     and fused left unset: torch picks) or null (not a torch optimizer with those options)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO's wrapper holds the torch optimizer
+    from helpers.core.internals import torch_optimizer
+
+    inner = torch_optimizer(optimizer)  # ZeRO's wrapper holds the torch optimizer
     group = inner.param_groups[0] if getattr(inner, "param_groups", None) else {}
     if "fused" not in group and "foreach" not in group:
         return None

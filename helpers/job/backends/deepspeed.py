@@ -18,7 +18,6 @@ An ``activation_checkpointing`` object in the JSON turns on the model's own
 from __future__ import annotations
 
 import copy
-import importlib
 import sys
 from contextlib import nullcontext
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from helpers.core.config import JobConfig, adamw_kwargs
+from helpers.core.internals import MUON_MODULE, import_without_compile
 from helpers.job import recompute
 
 
@@ -128,7 +128,7 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
     return out
 
 
-MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+MUON = MUON_MODULE
 
 
 def _import_muon_eagerly(ds_config: dict) -> None:
@@ -143,16 +143,7 @@ def _import_muon_eagerly(ds_config: dict) -> None:
     """
     if MUON in sys.modules or str(ds_config.get("optimizer", {}).get("type", "")).lower() == "muon":
         return
-    from deepspeed.runtime import compiler
-
-    compile_ = compiler.compile
-    compiler.compile = lambda: compiler.dummy_decorator
-    try:
-        importlib.import_module(MUON)
-    except ImportError:  # another DeepSpeed version: nothing to spare
-        pass
-    finally:
-        compiler.compile = compile_
+    import_without_compile(MUON)
 
 
 class DeepSpeedEngine:

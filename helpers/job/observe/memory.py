@@ -30,6 +30,14 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from helpers.core.internals import (
+    CHECKPOINT_WRAPPED,
+    torch_optimizer,
+    zero0_masters,
+    zero12_flat_params,
+    zero_flat_masters,
+    zero_grads,
+)
 from helpers.core.mapping import CATEGORIES
 
 
@@ -50,23 +58,19 @@ def _fsdp_tensors(engine) -> dict[str, list]:
 def _ds_tensors(engine) -> dict[str, list]:
     zopt = engine.engine.optimizer
     module_params = list(engine.module.parameters())
-    inner = getattr(zopt, "optimizer", zopt)
-    states = [v for s in inner.state.values() for v in s.values()]
+    states = [v for s in torch_optimizer(zopt).state.values() for v in s.values()]
     name = type(zopt).__name__
     if name == "DeepSpeedZeroOptimizer_Stage3":
         params = [p.ds_tensor for p in module_params] + [p.data for p in module_params]
         params += [p.ds_secondary_tensor for p in module_params if getattr(p, "ds_secondary_tensor", None) is not None]
-        return {"params": params, "grads": [zopt.grad_partitions_flat_buffer],
-                "optimizer_states": states, "master_params": list(zopt.fp32_partitioned_groups_flat)}
+        return {"params": params, "grads": zero_grads(zopt),
+                "optimizer_states": states, "master_params": list(zero_flat_masters(zopt))}
     if name == "DeepSpeedZeroOptimizer":  # stages 1 and 2
-        grads = [g for gs in zopt.averaged_gradients.values() for g in (gs or [])]
-        return {"params": list(zopt.bit16_groups_flat), "grads": grads, "optimizer_states": states,
-                "master_params": list(zopt.single_partition_of_fp32_groups)}
-    if hasattr(zopt, "fp32_groups"):  # ZeRO-0 with bf16: full fp32 master next to the bf16 module
-        return {"params": module_params, "grads": [p.grad for p in module_params if p.grad is not None],
-                "optimizer_states": states, "master_params": [p for g in zopt.fp32_groups for p in g]}
+        return {"params": zero12_flat_params(zopt), "grads": zero_grads(zopt), "optimizer_states": states,
+                "master_params": list(zero_flat_masters(zopt))}
+    # ZeRO-0: with bf16 a full fp32 master next to the bf16 module
     return {"params": module_params, "grads": [p.grad for p in module_params if p.grad is not None],
-            "optimizer_states": states, "master_params": []}
+            "optimizer_states": states, "master_params": zero0_masters(zopt) or []}
 
 
 def state_bytes(engine) -> dict[str, int]:
@@ -89,13 +93,24 @@ def state_bytes(engine) -> dict[str, int]:
     return out
 
 
+def proc_status_bytes(*keys: str) -> dict[str, int]:
+    """Fields of this process's /proc/self/status that are in kB (``RssAnon``, ``RssFile``), in bytes; 0 where
+    the file or the field is missing (not Linux)."""
+    out = dict.fromkeys(keys, 0)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in out:
+                    out[key] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def rss_anon_bytes() -> int:
-    """Anonymous resident memory of this process (heap, tensors), from /proc/self/status."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """Anonymous resident memory of this process (heap, tensors)."""
+    return proc_status_bytes("RssAnon")["RssAnon"]
 
 
 SIDE_MARK = "guide::outside_training"  # a span the CPU tensor-peak profiler leaves out (tensor_peak)
@@ -202,7 +217,7 @@ class SavedActivations:
 def _checkpointed(m: torch.nn.Module) -> bool:
     """A block that activation checkpointing wraps: torch's checkpoint_wrapper, or a transformers layer with its
     own checkpointing on (helpers.job.recompute)."""
-    if hasattr(m, "_checkpoint_wrapped_module"):
+    if hasattr(m, CHECKPOINT_WRAPPED):
         return True
     from transformers.modeling_layers import GradientCheckpointingLayer
 

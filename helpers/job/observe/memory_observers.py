@@ -6,11 +6,17 @@ Hooks and ``needs``/``provides``: helpers.job.observe.base.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from helpers.core.mapping import job_theory_bytes, mode_key
+from helpers.job.guard import JobStop
 from helpers.job.observe.base import Observer, gather
+from helpers.job.observe.memory import PeakMemory, StepProbe
+from helpers.job.observe.offload import state_locations, swap_buffer_bytes, totals
+from helpers.job.observe.tensor_peak import CpuTensorPeak, limit_device, over_budget, source
 
 if TYPE_CHECKING:
     pass
@@ -28,10 +34,7 @@ class Memory(Observer):
         self.keys: dict = {}
 
     def on_model_built(self, s):
-        from functools import partial
 
-        from helpers.job.observe.memory import PeakMemory, StepProbe
-        from helpers.job.observe.offload import state_locations
 
         self.peak = PeakMemory(s.device)
         s.model.register_forward_hook(self.peak.sample)  # activations are all alive at the end of forward
@@ -49,7 +52,6 @@ class Memory(Observer):
     def on_step_end(self, s, step, row):
         self.peak.sample()
         if step == s.probe_step:
-            from helpers.job.observe.offload import swap_buffer_bytes
 
             self.keys.update(memory_summary(s.job, self.probe, self.peak, s.summary["num_params"],
                                             s.job.train.micro_batch))
@@ -67,8 +69,6 @@ class Memory(Observer):
 
 def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
     """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
-    from helpers.core.mapping import job_theory_bytes, mode_key
-    from helpers.job.observe.offload import totals
 
     key = mode_key(job)
     theory = job_theory_bytes(job, num_params, dist.get_world_size())
@@ -99,7 +99,6 @@ class TensorPeak(Observer):
         if s.args.profile:
             s.run.log("note: peak_tensor_bytes not tracked (null): --profile holds the profiler it is read from")
             return
-        from helpers.job.observe.tensor_peak import CpuTensorPeak
 
         self.cpu = CpuTensorPeak()
         self.cpu.start()  # before the model exists: the running total is every tensor of the job
@@ -122,7 +121,6 @@ class TensorPeak(Observer):
             self.gather(s)
 
     def gather(self, s):
-        from helpers.job.observe.tensor_peak import source
 
         self.keys = {"peak_tensor_bytes": gather(self.peak), "peak_tensor_source": source(s.device, self.peak)}
 
@@ -146,7 +144,6 @@ class MemoryBudget(Observer):
 
     def on_load_begin(self, s):
         if self.budget and s.use_cuda:
-            from helpers.job.observe.tensor_peak import limit_device
 
             s.run.log(f"memory budget {s.args.memory_budget_gib:g} GiB per rank: {limit_device(s.device, self.budget)}")
         elif self.budget:
@@ -156,8 +153,6 @@ class MemoryBudget(Observer):
     def on_step_end(self, s, step, row):
         if not self.budget or step != s.probe_step:
             return
-        from helpers.job.guard import JobStop
-        from helpers.job.observe.tensor_peak import over_budget
 
         peaks = self.uses["peak_tensor_bytes"].keys["peak_tensor_bytes"]
         why = over_budget(peaks, self.budget, f"{s.start_step}-{step}", s.args.memory_budget_gib)

@@ -11,8 +11,16 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from helpers.core.metrics import summarize_steps
+from helpers.job.checkpoint import param_shapes, save
+from helpers.job.loading import LoadMonitor, weights_match
 from helpers.job.observe.base import Observer, Observers, gather
 from helpers.job.observe.memory_observers import Memory, MemoryBudget, TensorPeak
+from helpers.job.observe.precision import DtypeProbe, UpdateTracker
+from helpers.job.observe.profiling import StepProfiler
+from helpers.job.observe.progress import Progress
+from helpers.job.observe.tensor_trace import TensorTracer
+from helpers.job.observe.throughput import compute_dtype, device_peak, flops_per_token, fmt_flops, summary_keys
 
 if TYPE_CHECKING:
     from helpers.job.state import JobState
@@ -36,20 +44,16 @@ class Throughput(Observer):
         self.keys: dict = {}
 
     def on_load_begin(self, s):
-        from helpers.job.observe.throughput import compute_dtype, device_peak, fmt_flops
 
         self.peak, self.source = device_peak(s.device, compute_dtype(s.job), s.args.peak_tflops)
         s.run.log(f"peak {fmt_flops(self.peak)} per device ({self.source})" if self.peak
                   else f"note: no MFU: {self.source}")
 
     def on_model_built(self, s):
-        from helpers.job.observe.throughput import flops_per_token
 
         self.flops = flops_per_token(s.model, s.job.train.seq_len)  # the whole model, before any sharding
 
     def on_train_end(self, s):
-        from helpers.core.metrics import summarize_steps
-        from helpers.job.observe.throughput import summary_keys
 
         tps = summarize_steps(s.records, s.tokens_per_rank_step)["tokens_per_s_per_rank"]
         self.keys = summary_keys(self.flops, tps, self.peak, self.source)
@@ -66,7 +70,6 @@ class Loading(Observer):
 
     def on_load_begin(self, s):
         if s.load_method:
-            from helpers.job.loading import LoadMonitor
 
             dist.barrier()  # every rank starts the load together
             self.monitor = LoadMonitor()
@@ -79,7 +82,6 @@ class Loading(Observer):
     def on_engine_ready(self, s):
         if not self.monitor:
             return
-        from helpers.job.loading import weights_match
 
         if s.load_method != "zero3_init":  # naive and RAM-efficient: the load ends once the weights are sharded
             self.monitor.__exit__(None, None, None)
@@ -101,7 +103,6 @@ class Dtypes(Observer):
         self.result = None
 
     def on_model_built(self, s):
-        from helpers.job.observe.precision import DtypeProbe
 
         self.probe = DtypeProbe(s.model)  # before the backend: sees the dtype the model was loaded in
 
@@ -136,7 +137,6 @@ class Updates(Observer):
             s.run.log("note: updated_fraction not tracked (null in metrics.jsonl): it copies every shard each step; "
                       "pass --track-updates", echo=False)
             return
-        from helpers.job.observe.precision import UpdateTracker
 
         tracker = UpdateTracker(s.engine, s.summary["num_params"])
         if tracker.enabled:
@@ -169,7 +169,6 @@ class Profiler(Observer):
         self.prof, self.steps, self.done = None, None, False
 
     def on_train_begin(self, s):
-        from helpers.job.observe.profiling import StepProfiler
 
         self.prof = StepProfiler(s.args.out, s.rank, enabled=s.args.profile, use_cuda=s.use_cuda)
 
@@ -189,7 +188,6 @@ class TensorTraces(Observer):
     (helpers.job.observe.tensor_trace; its own hooks on the model and optimizer, one all-reduce per step)."""
 
     def on_train_begin(self, s):
-        from helpers.job.observe.tensor_trace import TensorTracer
 
         self.tracer = TensorTracer(s.args.out, s.rank, s.world_size)
         s.run.log("note: --trace-tensors: the training peaks (peak_memory_bytes, peak_tensor_bytes) include the "
@@ -216,7 +214,6 @@ class Checkpoints(Observer):
         self.saved = []
 
     def on_train_begin(self, s):
-        from helpers.job.checkpoint import param_shapes
 
         self.every = s.args.checkpoint_every
         self.extra = {"param_shapes": param_shapes(s.engine.module),
@@ -224,7 +221,6 @@ class Checkpoints(Observer):
 
     def on_step_end(self, s, step, row):
         if self.every and (step + 1) % self.every == 0:
-            from helpers.job.checkpoint import save
 
             with self.uses["peak_sampler"].peak.outside_training():  # save_peak_memory_bytes, not the training peak
                 saved = save(s.engine, s.job, s.args.checkpoint_dir, step + 1, self.extra,
@@ -243,7 +239,6 @@ class ProgressLog(Observer):
         self.bar = None
 
     def on_train_begin(self, s):
-        from helpers.job.observe.progress import Progress
 
         t = s.job.train
         self.every = max(1, t.steps // 10)

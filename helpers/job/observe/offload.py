@@ -38,6 +38,15 @@ from pathlib import Path
 
 import torch
 
+from helpers.core.config import ConfigError
+from helpers.core.internals import (
+    fsdp_params,
+    zero3_partition_on_nvme,
+    zero3_swap_buffers,
+    zero3_unswapped_grads,
+    zero_flat_masters,
+    zero_offload,
+)
 from helpers.core.mapping import CATEGORIES
 from helpers.job.observe.memory import _ds_tensors, _fsdp_tensors, _local
 from helpers.job.ops import aio_status, build_aio
@@ -92,16 +101,10 @@ def swap_file_bytes(ds_json: dict, rank: int, params_on_disk: set[int] | None = 
 
 def _fsdp_offloaded(engine) -> set[int]:
     """Storage addresses FSDP2 keeps in its offload path (params, their grads, optimizer states)."""
-    from torch.distributed.fsdp import FSDPModule
-
     offloaded = set()
-    for m in engine.model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        for fp in group.fsdp_params if group else []:
-            if not fp.offload_to_cpu:
-                continue
-            p = fp.sharded_param
-            ts = [p, p.grad, *engine.optimizer.state.get(p, {}).values()]
+    for fp in fsdp_params(engine.model):
+        if fp.offloaded:
+            ts = [fp.param, fp.param.grad, *engine.optimizer.state.get(fp.param, {}).values()]
             offloaded |= {_local(t).untyped_storage().data_ptr() for t in ts if torch.is_tensor(t)}
     return offloaded
 
@@ -109,22 +112,21 @@ def _fsdp_offloaded(engine) -> set[int]:
 def _ds_offloaded(engine) -> tuple[set[int], set[int], set[int]]:
     """(storages DeepSpeed put in host memory, storages of params whose partition is on NVMe, those
     params' ds_id)."""
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
     zopt = engine.engine.optimizer
+    offload = zero_offload(zopt)
     groups = _ds_tensors(engine)
     host: list = []
-    if getattr(zopt, "offload_optimizer", False) or getattr(zopt, "cpu_offload", False):
+    if offload["optimizer"]:
         host += groups["grads"] + _ds_fp32_grads(engine) + groups["optimizer_states"] + groups["master_params"]
     on_disk, on_disk_ids = [], set()
     for p in engine.module.parameters():
         t = getattr(p, "ds_tensor", None)
         if t is None:
             continue
-        if getattr(t, "final_location", None) == OffloadDeviceEnum.nvme:
+        if zero3_partition_on_nvme(p):
             on_disk.append(t)  # counted from its swap file; a live buffer is scratch
             on_disk_ids.add(p.ds_id)
-        elif getattr(zopt, "offload_param", False) and not getattr(p, "ds_persist", False):
+        elif offload["params"] and not getattr(p, "ds_persist", False):
             host.append(t)
     ptr = lambda ts: {t.untyped_storage().data_ptr() for t in ts if torch.is_tensor(t) and t.numel()}  # noqa: E731
     return ptr(host), ptr(on_disk), on_disk_ids
@@ -138,11 +140,7 @@ def _ds_fp32_grads(engine) -> list:
     pieces of at least the swap minimum go to gradient swap files (counted from the files), the
     others wait in host memory for the step (``unswapped_gradients``), counted here."""
     zopt = engine.engine.optimizer
-    masters = getattr(zopt, "fp32_partitioned_groups_flat", None) or getattr(
-        zopt, "single_partition_of_fp32_groups", [])
-    grads = [m.grad for m in masters if m.grad is not None]
-    swap_info = getattr(getattr(zopt, "optimizer_swapper", None), "swap_params_info", {})
-    return grads + [t for info in swap_info.values() for t in info.unswapped_gradients.values()]
+    return [m.grad for m in zero_flat_masters(zopt) if m.grad is not None] + zero3_unswapped_grads(zopt)
 
 
 def state_locations(engine, accelerator: bool, rank: int = 0, ds_json: dict | None = None) -> dict:
@@ -188,10 +186,8 @@ def swap_buffer_bytes(engine) -> dict[str, int]:
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     if engine.backend != "deepspeed":
         return {"params": 0, "optimizer": 0}
-    swappers = {id(s): s for p in engine.module.parameters() if (s := getattr(p, "nvme_swapper", None)) is not None}
-    manager = getattr(getattr(engine.engine.optimizer, "optimizer_swapper", None), "swap_buffer_manager", None)
-    return {"params": nbytes(s.buffers for s in swappers.values()),
-            "optimizer": nbytes(getattr(manager, "all_buffers", []))}
+    buffers = zero3_swap_buffers(engine.engine.optimizer, engine.module.parameters())
+    return {"params": nbytes(buffers["params"]), "optimizer": nbytes(buffers["optimizer"])}
 
 
 def totals(locations: dict) -> dict[str, int]:
@@ -218,7 +214,6 @@ def prepare(job, out: str, local_rank: int = 0) -> list[str]:
     each relative path and its home, for ``link_swap_dirs``.
     Raises helpers.core.config.ConfigError (one line) before any rank starts. Returns notes for log.txt.
     """
-    from helpers.core.config import ConfigError
 
     if job.backend != "deepspeed":
         return []

@@ -39,21 +39,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from helpers.core.models import clean_fqn
+from helpers.core.dtypes import short
+from helpers.core.internals import (
+    fsdp_params,
+    torch_optimizer,
+    zero_grads,
+    zero_master_dtype,
+    zero_offload,
+)
+from helpers.core.mapping import zero3_local_numel
+from helpers.core.models import clean_fqn, decoder_layers
 
-SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forward_weight",
               "grad_before_reduce", "reduce_dtype", "stored_grad", "optimizer_grad", "optimizer_states")
 
 
-def short(dtype) -> str | None:
-    """torch.bfloat16 -> "bf16"; None stays None."""
-    return None if dtype is None else SHORT.get(dtype, str(dtype).replace("torch.", ""))
-
-
 def probe_target(model) -> tuple[str, torch.nn.Module, str]:
     """(fully qualified name, owning module, attribute) of the first 2-D weight in the first block."""
-    from helpers.core.models import decoder_layers
 
     block = decoder_layers(model)[0]
     prefix = next(n for n, m in model.named_modules() if m is block)
@@ -64,27 +66,9 @@ def probe_target(model) -> tuple[str, torch.nn.Module, str]:
     raise ValueError(f"no 2-D weight in {prefix}")
 
 
-def _fsdp_params(model):
-    """(FSDPParam, its group's MixedPrecisionPolicy) for every FSDP2 unit's parameters."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen = set()  # a unit of several modules (norm + lm_head) shares one group: count it once
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            if group is None or id(group) in seen:
-                continue
-            seen.add(id(group))
-            for f in group.fsdp_params:
-                yield f, group.mp_policy
-
-
 def _inner_optimizer(engine) -> torch.optim.Optimizer:
     """The torch optimizer that does the update (DeepSpeed wraps it in its ZeRO optimizer)."""
-    if engine.backend == "fsdp":
-        return engine.optimizer
-    zopt = engine.engine.optimizer
-    return getattr(zopt, "optimizer", zopt)
+    return engine.optimizer if engine.backend == "fsdp" else torch_optimizer(engine.engine.optimizer)
 
 
 class DtypeProbe:
@@ -135,14 +119,14 @@ class DtypeProbe:
 
     def _fsdp_stored(self) -> dict:
         p, opt = self.param, self.engine.optimizer
-        fp = next(f for f, _ in _fsdp_params(self.engine.module) if f.sharded_param is p)
+        fp = next(f for f in fsdp_params(self.engine.module) if f.param is p)
         grad = p.grad.to_local() if p.grad is not None else None
         state = opt.state.get(p, {})
         return {
             "stored_param": short(p.to_local().dtype),
             "master_param": None,  # FSDP keeps no second copy: the optimizer updates the shard
             "optimizer_param": short(p.dtype),
-            "reduce_dtype": short(fp.reduce_dtype or fp.param_dtype or fp.orig_dtype),
+            "reduce_dtype": short(fp.reduce_dtype),
             "stored_grad": short(grad.dtype) if grad is not None else None,
             "optimizer_grad": short(grad.dtype) if grad is not None else None,
             "optimizer_states": _states_dtype(state),
@@ -155,11 +139,11 @@ class DtypeProbe:
         zopt = ds.optimizer
         if not hasattr(p, "ds_tensor"):  # ZeRO 0-2: no per-param partitions to read
             return {"stored_param": short(p.dtype), "reduce_dtype": short(ds.communication_data_type)}
-        if getattr(zopt, "swap_optimizer", False):  # NVMe: master and states are on disk during the step
-            master_dtype = short(zopt.master_weights_and_grads_dtype)
+        if zero_offload(zopt)["optimizer_on_nvme"]:  # master and states are on disk during the step
+            master_dtype = short(zero_master_dtype(zopt))
             return {"stored_param": short(p.ds_tensor.dtype), "master_param": master_dtype,
                     "optimizer_param": master_dtype, "reduce_dtype": short(ds.communication_data_type),
-                    "stored_grad": short(zopt.grad_partitions_flat_buffer.dtype), "optimizer_grad": master_dtype,
+                    "stored_grad": short(zero_grads(zopt)[0].dtype), "optimizer_grad": master_dtype,
                     "optimizer_states": None}
         master = safe_get_local_fp32_param(p)
         inner = _inner_optimizer(self.engine)
@@ -173,7 +157,7 @@ class DtypeProbe:
             "master_param": short(master.dtype),
             "optimizer_param": short(flat.dtype),
             "reduce_dtype": short(ds.communication_data_type),
-            "stored_grad": short(zopt.grad_partitions_flat_buffer.dtype),
+            "stored_grad": short(zero_grads(zopt)[0].dtype),
             "optimizer_grad": short(flat.grad.dtype) if flat.grad is not None else None,
             "optimizer_states": _states_dtype(inner.state.get(flat, {})),
         }
@@ -196,7 +180,7 @@ class UpdateTracker:
     def __init__(self, engine, num_params: int):
         self.engine = engine
         zero3 = engine.backend == "fsdp" or hasattr(next(engine.module.parameters()), "ds_tensor")
-        swapped = engine.backend == "deepspeed" and getattr(engine.engine.optimizer, "swap_optimizer", False)
+        swapped = engine.backend == "deepspeed" and zero_offload(engine.engine.optimizer)["optimizer_on_nvme"]
         self.enabled = num_params <= self.MAX_PARAMS and zero3 and not swapped  # NVMe: the master is on disk
         self.why_not = None  # the reason it is off, for the job's log
         if num_params > self.MAX_PARAMS:
@@ -211,14 +195,12 @@ class UpdateTracker:
     def _shards(self) -> list[tuple[torch.Tensor, torch.dtype]]:
         """(local values the optimizer updates, compute dtype) per parameter on this rank."""
         if self.engine.backend == "fsdp":
-            return [(f.sharded_param.to_local().reshape(-1), mp.param_dtype or f.sharded_param.dtype)
-                    for f, mp in _fsdp_params(self.engine.module)]
+            return [(f.param.to_local().reshape(-1), f.compute_dtype) for f in fsdp_params(self.engine.module)]
         from deepspeed.utils import safe_get_local_fp32_param
 
         rank, out = dist.get_rank(), []
         for p in self.engine.module.parameters():
-            part = p.ds_tensor.numel()
-            valid = max(0, min(part, p.ds_numel - rank * part))  # the last rank's shard is padded
+            valid = zero3_local_numel(p.ds_numel, p.ds_tensor.numel(), rank)
             out.append((safe_get_local_fp32_param(p).reshape(-1)[:valid], p.ds_tensor.dtype))
         return out
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from helpers.core.internals import cpu_memory_profiler_start, cpu_memory_profiler_stop, profiler_events
+from helpers.job.observe.memory import SIDE_MARK
 from helpers.job.observe.profiling import _quiet_stderr as _quiet_fd2  # Kineto prints a line on fd 2 at start and stop
 
 MARK = "guide::tensor_peak_window"
@@ -38,13 +40,8 @@ class CpuTensorPeak:
         self.active = False
 
     def start(self) -> None:
-        from torch._C._autograd import _enable_profiler, _prepare_profiler
-        from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
-
-        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
         with _quiet_fd2():
-            _prepare_profiler(config, {ProfilerActivity.CPU})
-            _enable_profiler(config, {ProfilerActivity.CPU})
+            cpu_memory_profiler_start()
         self.active = True
 
     def mark(self) -> None:
@@ -54,50 +51,35 @@ class CpuTensorPeak:
 
     def stop(self) -> int | None:
         """Stop the profiler; the window's peak in bytes (None if ``mark()`` was never reached)."""
-        from torch._C._autograd import _disable_profiler
-
         with _quiet_fd2():
-            result = _disable_profiler()
+            roots = cpu_memory_profiler_stop()
         self.active = False
-        return window_peak(result.experimental_event_tree())
+        return window_peak(roots)
 
     def close(self) -> None:
         if self.active:
-            from torch._C._autograd import _disable_profiler
-
             with _quiet_fd2():
-                _disable_profiler()
+                cpu_memory_profiler_stop(read=False)
             self.active = False
 
 
 def cpu_allocations(roots) -> tuple[int | None, list[tuple[int, int, object]]]:
     """The profiler's CPU allocation and free events as ``(time_ns, running total, event)``, in time order
     (the total breaks ties), and the time of the window's mark (None if it was never reached)."""
-    mark, allocs, stack = None, [], list(roots)
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        fields = e.extra_fields
-        if hasattr(fields, "total_allocated"):
-            if fields.device.type == "cpu":
-                allocs.append((e.start_time_ns, fields.total_allocated, e))
-        elif e.name == MARK:
-            mark = e.start_time_ns
+    mark, allocs = None, []
+    for e, name, start, _, total in profiler_events(roots):
+        if total is not None:
+            allocs.append((start, total, e))
+        elif name == MARK:
+            mark = start
     allocs.sort(key=lambda a: a[:2])
     return mark, allocs
 
 
 def _side_spans(roots) -> list[tuple[int, int]]:
     """(start, end) ns of the spans marked as not training (helpers.job.observe.memory.SIDE_MARK: checkpoint saves)."""
-    from helpers.job.observe.memory import SIDE_MARK
 
-    out, stack = [], list(roots)
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        if e.name == SIDE_MARK:
-            out.append((e.start_time_ns, e.end_time_ns))
-    return out
+    return [(start, end) for _, name, start, end, _ in profiler_events(roots) if name == SIDE_MARK]
 
 
 def window_peak(roots) -> int | None:

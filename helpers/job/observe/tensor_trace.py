@@ -35,14 +35,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate
 
+from helpers.core.dtypes import short
+from helpers.core.internals import (
+    dtensor_global_offset,
+    torch_optimizer,
+    zero3_grad_position,
+    zero_flat_masters,
+    zero_param_groups,
+)
+from helpers.core.mapping import zero3_local_numel
 from helpers.core.metrics import STAGES
 from helpers.core.metrics import TRACE_FILE as FILE
 from helpers.core.models import clean_fqn
 from helpers.job import comm
 
 _MODS = ((2_147_483_647, 48_271, 11), (2_147_483_629, 69_621, 7))  # (prime, a, b): weight (a*i + b) mod p
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
 def fingerprint(values: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -78,10 +87,6 @@ def check(job) -> str | None:
         if zo.get("offload_optimizer", {}).get("device") == "nvme":
             return "--trace-tensors: the optimizer is on NVMe (offload_optimizer.device = nvme): nothing to read"
     return None
-
-
-def short(dtype) -> str | None:
-    return None if dtype is None else _SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
 class TensorTracer:
@@ -186,10 +191,7 @@ class TensorTracer:
         return hook
 
     def _inner_optimizer(self):
-        if self.engine.backend == "fsdp":
-            return self.engine.optimizer
-        zopt = self.engine.engine.optimizer
-        return getattr(zopt, "optimizer", zopt)
+        return self.engine.optimizer if self.engine.backend == "fsdp" else torch_optimizer(self.engine.engine.optimizer)
 
     def _shards(self):
         """(index, local weight, local reduced grad, global offset of both) on this rank."""
@@ -199,28 +201,26 @@ class TensorTracer:
             yield from self._zero3_shards()
 
     def _fsdp_shards(self):
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         for p in (t for g in self.engine.optimizer.param_groups for t in g["params"]):
             i = self.index[id(p)]
             coords = p.device_mesh.get_coordinate() or []
             if any(isinstance(pl, Replicate) and c != 0 for pl, c in zip(p.placements, coords, strict=True)):
                 continue  # a replica (NO_SHARD, HSDP): its copy is counted once, by replica 0
-            _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            off = dtensor_global_offset(p)
             stride = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 0
             offset = off[0] * stride if p.dim() else 0
             yield i, p.to_local(), p.grad.to_local() if p.grad is not None else None, offset
 
     def _zero3_shards(self):
         zopt = self.engine.engine.optimizer
-        for group in zopt.fp16_groups:
+        for group in zero_param_groups(zopt):
             for p in group:
                 i = self.index[id(p)]
-                g, dest, part = zopt.grad_position[zopt.get_param_id(p)]
-                flat = zopt.fp32_partitioned_groups_flat[g]
+                g, dest, part = zero3_grad_position(zopt, p)
+                flat = zero_flat_masters(zopt)[g]
                 prank = dist.get_rank(group=p.ds_process_group)
-                valid = max(0, min(part, p.ds_numel - prank * part))  # the last partition is padded
+                valid = zero3_local_numel(p.ds_numel, part, prank)
                 grad = flat.grad.narrow(0, dest, valid) if flat.grad is not None else None
                 yield i, flat.narrow(0, dest, valid), grad, prank * part
 
@@ -251,7 +251,7 @@ class TensorTracer:
         zopt = self.engine.engine.optimizer
         stepped = {t.data_ptr() for g in optimizer.param_groups for t in g["params"]}
         out = set()
-        for k, flat in enumerate(zopt.fp32_partitioned_groups_flat):
+        for flat, params in zip(zero_flat_masters(zopt), zero_param_groups(zopt), strict=True):
             if flat.data_ptr() in stepped:
-                out |= {self.index[id(p)] for p in zopt.fp16_groups[k]}
+                out |= {self.index[id(p)] for p in params}
         return out

@@ -41,6 +41,8 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from helpers.core.dtypes import short
+
 if TYPE_CHECKING:  # torch is imported where it is used: train.py's argument parser imports this module
     import torch
 
@@ -151,8 +153,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, override_tflops: float
     peak = measure_cpu_peak(dtype) if not dist.is_initialized() or dist.get_rank() == 0 else None
     if ranks > 1:
         dist.barrier()
-    name = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
-    return peak, (f"measured: {CPU_BENCH_N}x{CPU_BENCH_N} {name} matmul, {torch.get_num_threads()} thread(s), "
+    return peak, (f"measured: {CPU_BENCH_N}x{CPU_BENCH_N} {short(dtype)} matmul, {torch.get_num_threads()} thread(s), "
                   "rank 0 alone, best call")
 
 

@@ -56,7 +56,7 @@ NPROC = nb.nproc()
 LR = 1e-5  # where bf16 updates round away (section 1 checks it)
 LR_SCALED = LR * NPROC  # the seeds' first fix: the rate times the number of ranks
 LR_HIGH = 1e-4  # the seeds' second fix: another rate for everyone
-ARGS = "--model tiny --micro-batch 8 --seq-len 32"  # 0.58M params, 2 x 8 x 32 tokens per step
+ARGS = "--model tiny --micro-batch 8 --seq-len 32"  # tiny: NPROC x 8 x 32 tokens per step
 os.environ.update(STEPS=str(STEPS), SHORT=str(SHORT), NPROC=str(NPROC), LR=str(LR),
                   LR_SCALED=str(LR_SCALED), LR_HIGH=str(LR_HIGH), ARGS=ARGS)
 print(f"size={SIZE}: {STEPS} steps at lr {LR} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, gloo'})")
@@ -77,7 +77,7 @@ facts.show("accelerate.fsdp2_upcasts_with_mixed_precision")
 # %% [markdown]
 # ## 1 · Three modes, one learning rate
 #
-# The same tiny Llama (0.58M parameters) learns arithmetic progressions; every mode sees
+# The same tiny Llama (the `tiny` preset; the recap prints its size) learns arithmetic progressions; every mode sees
 # the same batches.
 
 # %% language="bash"
@@ -115,7 +115,7 @@ claim(f"at lr {LR} the aligned run trains (loss drop over 0.02) and the low-prec
 # %% [markdown]
 # ## 2 · The seeds' two "fixes"
 #
-# First fix: multiply the low-precision rate by the number of ranks (`NPROC`: 2 here on the
+# First fix: multiply the low-precision rate by the number of ranks (`NPROC`, printed above: 2 on the
 # CPU; the seeds had 4 GPUs). Second fix: another rate for both backends. The seeds tried
 # 1e-5 on Mistral-7B; what matters is the rate next to the size of the weights, and for our
 # tiny model (weights drawn with std 0.02, transformers' default initializer_range; not checked here) we take ten times our first rate, `LR_HIGH`.
@@ -146,7 +146,7 @@ fig.tight_layout()
 # step is printed below, with section 4's count); but the factor has nothing to do with the
 # number of ranks (it happened to be enough on the seeds' 4 GPUs), and it is a different
 # training run from the aligned one, not the same one made to work. A much larger rate for
-# everyone makes more updates larger than bf16's rounding step, so both modes train and the
+# everyone makes more updates larger than half of bf16's rounding step, so both modes train and the
 # gap mostly closes: the stall hides (a schedule that decays the rate back toward section 1's
 # would meet it again; not run here).
 # The fix that keeps the rate is the aligned mode (fp32 shards), at the memory cost of section 5.

@@ -341,8 +341,8 @@ else:
 # (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On a GPU
 # the device peak is what offload lowers (not checked here); on this machine host and device are one memory,
 # so offload has nowhere to move the bytes. Nor could these peaks show it: each run's whole
-# state is a small part of its peak (the check below), and peaks move between identical jobs
-# (notebook 08), so on this CPU the peaks are shown without a claim about them (on a GPU, where
+# state is a small part of its peak (the check below), so on this CPU the peaks are shown
+# without a claim about them (on a GPU, where
 # the allocator's peak is exact, the cell checks that FSDP offload lowers it). Bytes do show that the
 # NVMe run cannot have saved RAM here: when `offload_param` goes to `nvme`, DeepSpeed's
 # parameter swapper allocates `buffer_count` x `buffer_size` bf16 elements of page-locked
@@ -405,9 +405,8 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # **What it means.** The lines above are what these single runs measured. Without an accelerator, "copying to
 # the host" is at most a copy within the same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop --> and the optimizer runs on the same cores either way,
 # so there is no transfer to pay for. What differs is the code each offload path runs (its own
-# buffers and copies). Here every offload run's steps were slower than its no-offload run's (the
-# ratios above); with one run each we cannot tell how much of that is the offload path and how
-# much the machine, and we have not broken the steps down. NVMe adds reads and
+# buffers and copies). The ratios above come from one run each, so they cannot tell the
+# offload path from the machine's drift, and we have not broken the steps down. NVMe adds reads and
 # writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past the page cache. <!-- fact: deepspeed.aio_o_direct --> On a GPU (not run here) the picture changes: every step, offloaded
 # parameters are copied across PCIe to the GPU to compute with (FSDP, which reshards after
 # forward, copies them again for backward), <!-- fact: torch.fsdp2_offload_copies_to_gpu --> gradients go down to the host, the optimizer
@@ -471,7 +470,7 @@ if not NVME_OK:
 #   too, and either to NVMe, where the master weights and Adam's states become swap files. <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.nvme_swaps_states_not_step -->
 # * DeepSpeed's CPU optimizer offload keeps an fp32 gradient copy on the host between steps; <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads --> ZeRO-3 keeps its
 #   small persistent params next to the compute; <!-- fact: deepspeed.zero3_persistent_small_params --> only tensors of at least 1 MiB per rank
-#   go to disk. <!-- fact: deepspeed.nvme_min_aio_bytes -->
+#   (or the config's `aio.block_size`, if larger) go to disk. <!-- fact: deepspeed.nvme_min_aio_bytes -->
 # * On this CPU, with the same torch AdamW stepping on the host, the losses do not change with offload, bit for bit <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off --> (on a GPU the host-side
 #   step is checked within 1% instead, not yet run there). On this CPU-only machine no accelerator memory is
 #   saved - there is none: device and host are one RAM, and only NVMe's swap files leave it -

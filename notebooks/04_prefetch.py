@@ -255,7 +255,8 @@ claim("wherever a rank both computed and communicated for over 1 ms, a good part
 # inside them), <!-- fact: accelerate.fsdp2_size_policy_counts_children --> `NO_WRAP` no policy units.
 # Whatever the policy, Accelerate then gives the input embedding a unit (with tied embeddings it
 # joins the tail) and the final norm + head one more, which stays gathered from forward to
-# backward; the root takes what is left. <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
+# backward, unless the policy has already made them units (`SIZE_BASED_WRAP` here makes
+# `lm_head` a unit that reshards like any other); the root takes what is left. <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
 # `fsdp_reshard_after_forward: false` (`shard_grad_op.yaml`) keeps gathered blocks from forward
 # to backward. <!-- fact: torch.fsdp2_reshard_after_forward --> DeepSpeed asks for no units: it gathers
 # each module's parameters as it runs (`set_z3_leaf_modules` can merge a subtree); thresholds
@@ -316,10 +317,14 @@ fig.tight_layout()
 
 # %%
 rows = utab.loc[list(wr)]
-claim("every unit choice's collectives are exactly what its units predict",
+want_mb = {k: wrap.expected_collectives(u, wr[k].config["fsdp"]["reshard_after_forward"])["all_gather_bytes"] / 1e6
+           for k, u in units.items()}
+claim("every unit choice's collectives are exactly what its units predict, in count and in bytes gathered",
       (rows.all_gathers == rows.expected_all_gathers).all()
-      and (rows.reduce_scatters == rows.expected_reduce_scatters).all(),
-      all_gathers=rows.all_gathers.astype(int).to_dict(), expected=rows.expected_all_gathers.astype(int).to_dict())
+      and (rows.reduce_scatters == rows.expected_reduce_scatters).all()
+      and all(abs(rows.all_gather_MB[k] - want_mb[k]) < 1e-3 for k in rows.index),
+      all_gathers=rows.all_gathers.astype(int).to_dict(), expected=rows.expected_all_gathers.astype(int).to_dict(),
+      all_gather_MB=rows.all_gather_MB.round(3).to_dict(), expected_MB={k: round(v, 3) for k, v in want_mb.items()})
 claim("smaller units mean more, smaller all-gathers (size-based against transformer blocks)",
       utab.loc["size-based", "units"] > utab.loc["transformer blocks", "units"]
       and utab.loc["size-based", "MB_per_all_gather"] < utab.loc["transformer blocks", "MB_per_all_gather"],

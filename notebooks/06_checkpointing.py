@@ -62,7 +62,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # | config | what is on disk |
 # |---|---|
 # | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it <!-- fact: torch.dcp_file_per_rank --> |
-# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one file in the parameters' dtype (fp32 here: the model, loaded in bf16, is upcast to fp32 before sharding) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
+# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one file in the parameters' dtype (fp32 here: the model, built in bf16, is upcast to fp32 before sharding) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
 # | DeepSpeed | `ds/`: `engine.save_checkpoint`, two files per rank (model states, optimizer states) <!-- fact: deepspeed.zero3_checkpoint_files --> |
 # | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
 #

@@ -304,7 +304,10 @@ def convert(src: str, dst: str, to: str) -> dict:
         new = {**{k: v for k, v in meta.items() if k not in ("save_seconds", "bytes")},
                "format": fmt, "converted_from": str(src), "converted_to": to,
                "saved_dtypes": {"model": sorted({str(v.dtype).removeprefix("torch.")
-                                                 for v in state["model"].values()}), "optim": ["float32"]}}
+                                                 for v in state["model"].values()}),
+                                "optim": sorted({str(v.dtype).removeprefix("torch.")
+                                                 for s in state["optim"]["state"].values() for v in s.values()
+                                                 if hasattr(v, "dtype") and v.dim() > 0})}}
     new["convert_seconds"] = time.perf_counter() - t0
     new["bytes"] = dir_bytes(tmp)
     (tmp / (META if to != "hf" else "conversion.json")).write_text(json.dumps(new, indent=2))

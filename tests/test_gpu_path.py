@@ -34,7 +34,7 @@ def test_the_check_fails_a_cpu_tensor_on_an_accelerator_group(world1):
     original = dist.all_reduce
     with comm.CollectiveCheck(simulate_accelerator=True) as check:
         with pytest.raises(RuntimeError, match="all_reduce at tests/test_gpu_path.py:.*a cpu tensor"):
-            dist.all_reduce(torch.ones(2))  # what loading.checksum did
+            dist.all_reduce(torch.ones(2))  # what the loading check once did
         t = torch.tensor([1.0, 2.0])
         assert comm.all_reduce(t) is t and t.tolist() == [1.0, 2.0]  # placed on the group's device, summed back
     assert [c[3] for c in check.calls] == [False, True]
@@ -45,13 +45,18 @@ def test_the_check_fails_a_cpu_tensor_on_an_accelerator_group(world1):
     assert comm.device() == torch.device("cpu") and "cpu" in comm.device_types()
 
 
-def test_checksum_reduces_on_the_group_device(world1):
+def test_weight_check_reduces_on_the_group_device_and_finds_a_moved_value(world1, tmp_path):
+    from safetensors.torch import save_file
+
     lin = torch.nn.Linear(3, 2)
+    save_file({k: v.detach().clone() for k, v in lin.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    engine = SimpleNamespace(module=lin)
     with comm.CollectiveCheck(simulate_accelerator=True) as check:
-        got = loading.checksum(SimpleNamespace(module=lin))
-    flat = torch.cat([p.detach().double().reshape(-1) for p in lin.parameters()])
-    assert got == pytest.approx([flat.sum().item(), (flat * flat).sum().item()], rel=1e-12)
+        assert loading.mismatches(engine, str(tmp_path), torch.float32) == []
     assert [c[0] for c in check.calls] == ["all_reduce"] and all(c[3] for c in check.calls)
+    with torch.no_grad():  # same values, two of them swapped: the sums cannot tell, the check does
+        lin.weight[0, 0], lin.weight[1, 2] = lin.weight[1, 2].item(), lin.weight[0, 0].item()
+    assert loading.mismatches(engine, str(tmp_path), torch.float32) == ["weight"]
 
 
 def test_fsdp_grad_norm_of_host_grads_reduces_on_the_group_device(world1):

@@ -142,8 +142,8 @@ SUMMARY_KEYS = {
                "path, ranks (per rank: seconds, peak_rss_anon_bytes and peak_rss_file_bytes above the "
                "start, after_rss_anon_bytes, from model creation until the weights are sharded: through the "
                "backend's sharding for naive and fsdp_ram_efficient, through from_pretrained for zero3_init), "
-               "weights_match (fp64 sum "
-               "and sum of squares of all ranks' shards equal the file's, rounded to the load dtype) "
+               "weights_match (every rank's piece of every parameter equals, element by element, the same "
+               "slice of the file, rounded to the load dtype), mismatched (the first 5 names that do not) "
                "(helpers.loading)",
 }
 

@@ -169,13 +169,34 @@ def _dtypes(tree) -> list[str]:
 
     def walk(x):
         if isinstance(x, torch.Tensor):
-            if x.dim() > 0:
+            if x.dim() > 0 and x.numel() > 0:  # not a scalar (Adam's step), not an empty placeholder
                 found.add(str(x.dtype).removeprefix("torch."))
         elif isinstance(x, dict):
             for v in x.values():
                 walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
     walk(tree)
     return sorted(found)
+
+
+def _ds_file_dtypes(tmp: Path) -> dict[str, list[str]]:
+    """The dtypes of the tensors in this rank's DeepSpeed files, read back (memory-mapped, not copied): under
+    ZeRO-3 the model files hold no weights (the fp32 partitions and Adam's moments are in the optimizer files;
+    the bf16 module copy is rebuilt from them on load)."""
+    rank, d = dist.get_rank(), tmp / "ds" / "ds"
+    mine = [f for f in d.glob("*.pt") if f"rank_{rank}_" in f.name] or sorted(d.glob("mp_rank_00_model_states.pt"))
+    model = [f for f in mine if f.name.endswith("model_states.pt")] or sorted(d.glob("mp_rank_00_model_states.pt"))
+    optim = [f for f in mine if f.name.endswith("optim_states.pt")]
+    model_sd = [safeload.load(f, "deepspeed", mmap=True) for f in model]
+    out = {"model": sorted({x for sd in model_sd for x in _dtypes(sd["module"])}),  # ZeRO-0: the optimizer is here
+           "optim": sorted({x for sd in model_sd for x in _dtypes(sd.get("optimizer"))}
+                           | {x for f in optim for x in _dtypes(
+                               safeload.load(f, "deepspeed", mmap=True)["optimizer_state_dict"])})}
+    if (tmp / "model_16bit.bin").is_file() and rank == 0:
+        out["model_16bit"] = _dtypes(safeload.load(tmp / "model_16bit.bin", "deepspeed", mmap=True))
+    return out
 
 
 def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=None) -> dict:
@@ -219,17 +240,12 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
     if engine.backend == "deepspeed":
         ds = engine.engine
         ds.save_checkpoint(str(tmp / "ds"), tag="ds", client_state={}, save_latest=False)
-        # under ZeRO-3 the model files hold no weights: the fp32 partitions and Adam's moments are in the
-        # optimizer files (the bf16 module copy is rebuilt from them on load)
-        dtypes = {"model": [] if ds.zero_optimization_stage() == 3 else
-                  [str(next(engine.module.parameters()).dtype).removeprefix("torch.")], "optim": ["float32"]}
+        dtypes = {}
         if job.deepspeed.zero3_save_16bit_model:
             t0 = time.perf_counter()
             ds.save_16bit_model(str(tmp), "model_16bit.bin")
             dtypes["seconds_16bit"] = time.perf_counter() - t0
-            dtypes["model_16bit"] = [str(ds.bfloat16_enabled() and torch.bfloat16 or torch.float16)
-                                     .removeprefix("torch.")]
-        return "deepspeed", dtypes
+        return "deepspeed", {**dtypes, **_ds_file_dtypes(tmp)}
 
     model, optim = engine.model, engine.optimizer
     if job.fsdp.state_dict_type == "SHARDED_STATE_DICT":

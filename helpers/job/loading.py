@@ -25,7 +25,7 @@ few ms during the load (model creation until the weights are sharded: through th
 backend's ``fully_shard`` for naive and RAM-efficient loading, through ``from_pretrained``
 for ZeRO-3 init, before ``deepspeed.initialize`` allocates the optimizer);
 ``summary["loading"]`` gets, per rank, the seconds, the peaks above the baseline, and
-whether the loaded weights equal the file (``checksum``).
+whether every loaded value equals the file's, in its place (``mismatches``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from helpers.core.internals import non_persistent_buffers
+from helpers.core.internals import dtensor_global_offset, non_persistent_buffers
+from helpers.core.mapping import zero3_local_numel
 from helpers.core.models import from_pretrained, model_config, resolve_model
 from helpers.job import comm
 from helpers.job.observe.memory import proc_status_bytes
@@ -153,39 +154,55 @@ def zero3_model(spec, dtype, ds_config: dict):
     return model
 
 
-def checksum(engine) -> list[float]:
-    """[sum, sum of squares] in fp64 over all parameter values, from each rank's local shard."""
-    acc = torch.zeros(2, dtype=torch.float64)
-    for p in engine.module.parameters():
-        if hasattr(p, "ds_tensor"):
-            t = p.ds_tensor  # ZeRO-3 pads the last rank's piece with zeros: they add nothing
-        elif hasattr(p, "to_local"):
-            t = p.to_local()
-        else:
-            t = p.data if dist.get_rank() == 0 else p.data[:0]  # replicated: count once
-        t = t.detach().double().cpu()
-        acc += torch.stack([t.sum(), (t * t).sum()])
-    return comm.all_reduce(acc).tolist()  # a CPU tensor: nccl serves only GPU tensors
+def _local_piece(p) -> tuple[torch.Tensor, int | tuple[int, ...]]:
+    """This rank's piece of parameter ``p`` and where it starts in the whole: a flat offset (ZeRO-3's flat
+    partition), a per-dimension offset (an FSDP2 DTensor), or () for a whole, replicated tensor."""
+    if hasattr(p, "ds_tensor"):  # rank r holds flat elements [r * part, (r + 1) * part), then zero padding
+        part = p.ds_tensor.numel()
+        keep = zero3_local_numel(p.ds_numel, part, dist.get_rank())
+        return p.ds_tensor.reshape(-1)[:keep], dist.get_rank() * part
+    if hasattr(p, "to_local"):
+        return p.to_local(), dtensor_global_offset(p)
+    return p.data, ()
 
 
-def file_checksum(path: str, dtype) -> list[float]:
-    """The same sums over the safetensors file(s), values rounded to the dtype the model was loaded in."""
+def mismatches(engine, path: str, dtype) -> list[str]:
+    """The parameters whose values on any rank differ from the safetensors file's, rounded to the load dtype.
+
+    Each rank compares its own piece, element by element, with the same slice of the file (read one tensor at
+    a time): a value in the wrong place, a piece on the wrong rank or two tensors swapped all show, which sums
+    could not. Returns the names (the same list on every rank); empty when every value is where it should be."""
     from safetensors import safe_open
 
-    acc = torch.zeros(2, dtype=torch.float64)
-    for f in sorted(Path(path).glob("*.safetensors")):
+    files = sorted(Path(path).glob("*.safetensors"))
+    where = {}
+    for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                t = fh.get_tensor(k).to(dtype).double()
-                acc += torch.stack([t.sum(), (t * t).sum()])
-    return acc.tolist()
+            where.update(dict.fromkeys(fh.keys(), f))
+    names = [n for n, _ in engine.module.named_parameters()]
+    bad = torch.zeros(len(names), dtype=torch.float64)
+    for i, (name, p) in enumerate(engine.module.named_parameters()):
+        if name not in where:
+            bad[i] = 1
+            continue
+        with safe_open(str(where[name]), framework="pt") as fh:
+            ref = fh.get_tensor(name).to(dtype)
+        local, start = _local_piece(p)
+        local = local.detach().cpu()
+        if isinstance(start, int):
+            ref = ref.reshape(-1)[start:start + local.numel()]
+        elif start:
+            ref = ref[tuple(slice(o, o + n) for o, n in zip(start, local.shape, strict=True))]
+        same = ref.shape == local.shape and torch.equal(ref.to(local.dtype), local)
+        bad[i] = 0 if same else 1
+    bad = comm.all_reduce(bad)  # a CPU tensor: nccl serves only GPU tensors
+    return [n for n, b in zip(names, bad.tolist(), strict=True) if b]
 
 
 def weights_match(engine, spec, dtype) -> bool:
-    """Loaded (and upcast, if mixed precision did) weights equal the file's, rounded to the load dtype."""
-    live = checksum(engine)
-    ref = file_checksum(spec.path, dtype)
-    return all(abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(live, ref, strict=True))
+    """Every loaded (and upcast, if mixed precision did) value equals the file's, rounded to the load dtype,
+    in its place on its rank (``mismatches``)."""
+    return not mismatches(engine, spec.path, dtype)
 
 
 def save_preset(preset: str, path: str, seed: int = 0) -> None:

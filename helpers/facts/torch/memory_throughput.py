@@ -159,9 +159,14 @@ def _offload_on_cpu():
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     model = fsdp2(linear_stack(2, 16), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    before = [p.to_local().data_ptr() for p in model.parameters()]
     model(torch.ones(2, 16)).sum().backward()
     where = sorted({t.to_local().device.type for p in model.parameters() for t in (p, p.grad)})
-    return where == ["cpu"], {"param and grad devices": where}
+    same = before == [p.to_local().data_ptr() for p in model.parameters()]  # the shards were not copied
+    x = torch.ones(3)
+    moved = x.to(torch.device("cpu"), non_blocking=True) is x and x.cpu() is x  # the offload's copy: a no-op here
+    return where == ["cpu"] and same and moved, {"param and grad devices": where, "shards kept in place": same,
+                                                 "a CPU tensor's .to(cpu) / .cpu() is itself": moved}
 
 
 @fact("torch.fsdp2_mixed_16_bytes",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from helpers.core.metrics import summarize_steps
 from helpers.job.checkpoint import param_shapes, save
-from helpers.job.loading import LoadMonitor, weights_match
+from helpers.job.loading import LoadMonitor, mismatches
 from helpers.job.observe.base import Observer, Observers, gather
 from helpers.job.observe.memory_observers import Memory, MemoryBudget, TensorPeak
 from helpers.job.observe.precision import DtypeProbe, UpdateTracker
@@ -86,11 +86,12 @@ class Loading(Observer):
         if s.load_method != "zero3_init":  # naive and RAM-efficient: the load ends once the weights are sharded
             self.monitor.__exit__(None, None, None)
         m = self.monitor
+        bad = mismatches(s.engine, s.spec.path, s.model_dtype)
         self.record = {"method": s.load_method, "path": s.spec.path, "ranks": gather(m.result),
-                       "weights_match": weights_match(s.engine, s.spec, s.model_dtype)}
+                       "weights_match": not bad, "mismatched": bad[:5]}
         s.run.log(f"loaded {s.spec.path} ({s.load_method}): {m.seconds:.2f} s, peak RssAnon "
                   f"+{m.result['peak_rss_anon_bytes'] / 2**20:.0f} MiB on rank 0, weights match the file: "
-                  f"{self.record['weights_match']}")
+                  f"{not bad}" + (f" (differ: {', '.join(bad[:5])})" if bad else ""))
 
     def summary(self, s):
         return {"loading": self.record}

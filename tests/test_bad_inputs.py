@@ -41,6 +41,15 @@ CASES = {
                        ["--grad-accum", "2"], ["--grad-accum 2 conflicts with gradient_accumulation_steps = 4"]),
     "ds json fp16": ("python", DS_FILE, {"ds.json": ds_json(fp16={"enabled": True})}, [],
                      ["fp16.enabled = True", "allowed: false"]),
+    "ds json zero key typo": ("python", DS_FILE, {"ds.json": ds_json(zero_optimization={
+        "stage": 3, "reduce_bucket_sise": 1000})}, [],
+        ["DeepSpeed refuses zero_optimization.reduce_bucket_sise = 1000: Extra inputs are not permitted"]),
+    "ds json zero value": ("python", DS_FILE, {"ds.json": ds_json(zero_optimization={
+        "stage": 3, "reduce_bucket_size": -1})}, [],
+        ["DeepSpeed refuses zero_optimization.reduce_bucket_size = -1: Input should be greater than 0"]),
+    "ds json scheduler": ("python", DS_FILE, {"ds.json": ds_json(optimizer={"type": "AdamW"}, scheduler={
+        "type": "WarmupLR", "params": {"warmup_steps": 5}})}, [],
+        ["scheduler.params.warmup_steps: WarmupLR takes warmup_min_lr, warmup_max_lr, warmup_num_steps"]),
     "ds json malformed": ("python", DS_FILE, {"ds.json": '{"bf16": {"enabled": true},}'}, [],
                           ["ds.json: not valid JSON (line 1"]),
     "unknown model": ("python", None, {}, ["--model", "huge"], ["--model 'huge'", "tiny, small, medium"]),

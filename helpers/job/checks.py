@@ -14,12 +14,13 @@ def resolve_job(job, world_size: int) -> tuple[dict, list[str]]:
         import torch
 
         from helpers.core.models import model_config, resolve_model
-        from helpers.job.backends.deepspeed import resolved_ds_config
+        from helpers.job.backends.deepspeed import check_with_deepspeed, resolved_ds_config
 
         hidden = getattr(model_config(resolve_model(job.train.model)), "hidden_size", None)
         try:
-            resolved["deepspeed"]["json"], filled = resolved_ds_config(
-                job, world_size, hidden, "cuda" if torch.cuda.is_available() else "cpu")
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            resolved["deepspeed"]["json"], filled = resolved_ds_config(job, world_size, hidden, device_type)
+            check_with_deepspeed(resolved["deepspeed"]["json"], device_type)
         except ValueError as e:
             raise ConfigError(f"{job.source}: {e}") from None
         resolved["deepspeed"]["filled"] = filled  # which "auto" values the job filled

@@ -97,8 +97,9 @@ def run(s: JobState, join: bool = True, leave: bool = True) -> int:
     return 0
 
 
-def validate(args: argparse.Namespace) -> JobState:
-    """Every input checked before any process group or file exists; bad input exits 2 (fail_config)."""
+def validate(args: argparse.Namespace, refuse=fail_config) -> JobState:
+    """Every input checked before any process group or file exists; bad input exits 2 (``refuse``: fail_config;
+    the config sweep, helpers.job.sweep, passes one that raises, to go on with the next config)."""
     from helpers.job.observe.profiling import quiet_cpp_warnings
 
     quiet_cpp_warnings()  # before torch is imported: the tensor-peak profiler (every CPU job) and --profile
@@ -129,7 +130,7 @@ def validate(args: argparse.Namespace) -> JobState:
         if rank == 0:
             guard.claim()  # --out: not a file, not another job's, not someone's directory
     except ValueError as e:  # ConfigError, ModelSpecError, OutDirError, a bad GUIDE_FAIL_* test hook
-        fail_config(rank, str(e))
+        refuse(rank, str(e))
     return JobState(args, job, spec, rank, world_size, guard, RunDir(args.out, active=rank == 0), resolved,
                     ds_filled, resume_meta)
 

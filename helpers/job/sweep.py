@@ -1,4 +1,4 @@
-"""The family sweep: every model of helpers.core.families trained under one launch config, in one process group.
+"""Sweeps in one process group: every model family under one launch config, or every launch config of a directory.
 
     torchrun --standalone --nproc_per_node 2 -m helpers.families \\
         --config launch_configs/deepspeed/zero3.yaml --out runs/families_zero3 --steps 3
@@ -9,6 +9,13 @@ Each family is one job through the job's own phases (helpers.job.run: validate, 
 ``python -m helpers.compare`` reads them. Only the process group is shared: a job per family would pay
 torchrun's and DeepSpeed's start-up ten times. Rank 0 prints one line per family (its losses). Other
 ``helpers.train`` flags (``--timeout``, ``--model-dtype``, ...) pass through to every family's job.
+
+    torchrun --standalone --nproc_per_node 2 -m helpers.variants DIR --out runs/variants --steps 2
+
+The config sweep: every ``DIR/*.yaml`` is one job (``tiny``, micro-batch 2, sequence 16), through the same
+phases. A config the job refuses (one ``error:`` line when run alone) is skipped before the group starts;
+rank 0 prints ``NAME: trained ...`` or ``NAME: refused: WHY`` per config, and writes ``OUT/variants.json``.
+A config that starts and then fails ends the sweep as it ends a job (status 1, naming the config).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 
 from helpers.core.cli import OneLineParser
 from helpers.core.families import FAMILIES, write_config
+from helpers.job.state import env_int
 
 
 def family_args(config: str, out: Path, name: str, steps: int, extra: list[str]) -> list[str]:
@@ -55,4 +63,53 @@ def main(argv=None) -> int:
             run(s, join=i == 0, leave=i == len(names) - 1)
         if s.rank == 0:
             print(f"{name}: losses {s.summary['losses']}", flush=True)
+    return 0
+
+
+class Refused(ValueError):
+    """A config the job would refuse with one ``error:`` line (exit 2) when run alone."""
+
+
+def _refuse(rank: int, msg: str) -> None:
+    raise Refused(msg)
+
+
+def variants_main(argv=None) -> int:
+    import json
+
+    ap = OneLineParser(prog="python -m helpers.variants", description="Every launch config of DIR trained (or "
+                                                                      "refused) in one process group")
+    ap.add_argument("dir")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--model", default="tiny")
+    args, extra = ap.parse_known_args(argv)
+    configs = sorted(Path(args.dir).glob("*.yaml"))
+    if not configs:
+        print(f"error: {args.dir}: no *.yaml launch configs there", file=sys.stderr)
+        return 2
+    from helpers.job.run import parse_args, run, start, validate
+
+    out, verdicts, ready = Path(args.out), {}, []
+    for cfg in configs:  # every check before the process group: a refused config costs no start-up
+        argv_job = ["--config", str(cfg), "--out", str(out / cfg.stem), "--model", args.model, "--steps",
+                    str(args.steps), "--micro-batch", "2", "--seq-len", "16", *extra]
+        try:
+            ready.append((cfg.stem, validate(parse_args(argv_job), refuse=_refuse)))
+        except Refused as e:
+            verdicts[cfg.stem] = {"verdict": "refused", "why": str(e)}
+    for i, (name, s) in enumerate(ready):
+        start(s)
+        if s.rank == 0:
+            print(f"{name}: starting", flush=True)  # a config that then fails is the last one named
+        with contextlib.redirect_stdout(io.StringIO()):  # each job's lines are in its log.txt; errors still show
+            run(s, join=i == 0, leave=i == len(ready) - 1)
+        verdicts[name] = {"verdict": "trained", "losses": s.summary["losses"], "notes": s.job.notes}
+    if env_int("RANK", 0) == 0:
+        for name in sorted(verdicts):
+            v = verdicts[name]
+            print(f"{name}: trained, losses {v['losses']}" if v["verdict"] == "trained" else
+                  f"{name}: refused: {v['why']}", flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "variants.json").write_text(json.dumps(verdicts, indent=1))
     return 0

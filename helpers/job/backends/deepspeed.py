@@ -18,6 +18,7 @@ An ``activation_checkpointing`` object in the JSON turns on the model's own
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from contextlib import nullcontext
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from helpers import set_ds_accelerator
 from helpers.core.config import JobConfig, adamw_kwargs
 from helpers.core.internals import MUON_MODULE, import_without_compile
 from helpers.job import recompute
@@ -93,6 +95,89 @@ def resolved_ds_config(job: JobConfig, world_size: int, hidden_size: int | None 
     js.setdefault("steps_per_print", 10**12)
     js.setdefault("wall_clock_breakdown", False)
     return js, filled
+
+
+_SECTION = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+            "DeepSpeedActivationCheckpointingConfig": "activation_checkpointing"}
+
+
+def check_with_deepspeed(js: dict, device_type: str = "cpu") -> None:
+    """DeepSpeed's own parser on the resolved config, before any process group: what ``deepspeed.initialize``
+    would refuse deep inside DeepSpeed is refused here, in one line (ValueError) naming the key, the value and
+    DeepSpeed's rule. (Its batch-size check is the job's own, above: here it parses as one rank.)"""
+    import pydantic
+
+    set_ds_accelerator()  # before DeepSpeed's first import, as the job's start does
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    one = copy.deepcopy(js)
+    one["train_batch_size"] = one["train_micro_batch_size_per_gpu"] * one["gradient_accumulation_steps"]
+    try:
+        DeepSpeedConfig(one)
+    except pydantic.ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join([_SECTION.get(e.title, e.title), *map(str, err["loc"])])
+        msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule across keys: the section's own check
+            raise ValueError(f"DeepSpeed refuses {where}: {msg}") from None
+        raise ValueError(f"DeepSpeed refuses {where} = {err.get('input')!r}: {msg}") from None
+    except (AssertionError, ValueError, KeyError, TypeError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"DeepSpeed refuses this config: {why}") from None
+    _check_scheduler(js.get("scheduler"))
+    for path, bad, why, where in _CANNOT_RUN:
+        value = _get(js, path)
+        if value is not None and bad(value) and device_type in where:
+            raise ValueError(f"{path} = {json.dumps(value)}: {why}")
+
+
+def _check_scheduler(sched) -> None:
+    """A ``scheduler`` section against the class DeepSpeed builds from it (DeepSpeed's own TypeError otherwise)."""
+    import inspect
+
+    from deepspeed.runtime import lr_schedules
+
+    if not isinstance(sched, dict):
+        return
+    kind, params = sched.get("type"), sched.get("params") or {}
+    if kind not in lr_schedules.VALID_LR_SCHEDULES:
+        raise ValueError(f"scheduler.type = {kind!r}: allowed {', '.join(lr_schedules.VALID_LR_SCHEDULES)}")
+    args = inspect.signature(getattr(lr_schedules, kind).__init__).parameters
+    missing = [n for n, a in args.items() if n not in ("self", "optimizer") and a.default is a.empty
+               and n not in params]
+    if missing:
+        raise ValueError(f"scheduler {kind} needs params.{missing[0]} (a number, or \"auto\" for the job to fill "
+                         "it where it can: total_num_steps, warmup_num_steps, warmup_min_lr, warmup_max_lr)")
+    unknown = [k for k in params if k not in args]
+    if unknown:
+        raise ValueError(f"scheduler.params.{unknown[0]}: {kind} takes "
+                         f"{', '.join(n for n in args if n not in ('self', 'optimizer'))}")
+
+
+def _get(d: dict, path: str):
+    for k in path.split("."):
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+# Values DeepSpeed's parser accepts and its engine then cannot run (found by tests/test_config_sweep.py):
+# (dotted key, the bad values, why, on which devices).
+_ANY, _CPU = ("cpu", "cuda"), ("cpu",)
+_CANNOT_RUN = [
+    ("zero_optimization.legacy_stage1", lambda v: v is True,
+     "DeepSpeed 0.19 parses it but stops at initialize (the old ZeRO-1 was removed in 0.5.9); leave it out", _ANY),
+    ("zero_optimization.offload_optimizer.ratio", lambda v: v < 1,
+     "a partial optimizer offload needs DeepSpeed's CPU Adam (DeepSpeedCPUAdam), which DeepSpeed asserts at "
+     "initialize; the guide steps a torch AdamW, so it offloads all of it (ratio 1) or none", _ANY),
+    ("zero_optimization.offload_optimizer.super_offload", lambda v: v is True,
+     "SuperOffload runs on NVIDIA CUDA GPUs only (DeepSpeed asserts it at initialize); this job runs on the CPU",
+     _CPU),
+    ("zero_optimization.zenflow", lambda v: bool(v),
+     "ZenFlow's optimizer runs on CUDA (DeepSpeed calls CUDA at initialize); this job runs on the CPU", _CPU),
+    *((f"zero_optimization.zero_quantized_{what}", lambda v: v is True,
+       "DeepSpeed's quantizer is a CUDA op (\"not implemented on CPU backend\" at the first step); this job "
+       "runs on the CPU", _CPU) for what in ("gradients", "nontrainable_weights", "weights")),
+]
 
 
 def _autos(d, prefix: str = "") -> list[str]:

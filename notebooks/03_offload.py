@@ -111,7 +111,7 @@ for name in ("tiny", "small"):
     numel = {n: p.numel() for n, p in meta_model(resolve_model(name)).named_parameters()}
     layers = {n: v for n, v in numel.items() if ".layers." in n}
     matrices = [v for n, v in layers.items() if not n.endswith("norm.weight")]
-    SHAPES[name] = dict(params=sum(numel.values()), layer_max=max(layers.values()), layer_matrix_min=min(matrices),
+    SHAPES[name] = dict(numel=numel, params=sum(numel.values()), layer_max=max(layers.values()), layer_matrix_min=min(matrices),
                         partition_max_bytes=max(numel.values()) * 2 // NPROC,
                         swappable=sorted(n for n, v in numel.items() if v * 2 // NPROC >= NVME_MIN),
                         over_threshold=sorted(n for n, v in numel.items() if not is_persistent(v, THRESHOLD)),  # the rest stay whole
@@ -141,6 +141,19 @@ elif NPROC >= 8:
 else:
     claim("small on 1 rank: the embedding, the output layer and some decoder-layer matrices reach the NVMe minimum",
           set(EMBED_AND_HEAD) < set(small["swappable"]), swappable=small["swappable"])
+# the same counts at other rank counts (shapes only): which partitions NVMe would take
+swap_at = {r: sorted(n for n, v in small["numel"].items() if v * 2 // r >= NVME_MIN) for r in range(1, 10)}
+opt_at = {r: 4 * -(-tiny["params"] // r) >= NVME_MIN for r in range(1, 10)}
+for r in range(1, 10):
+    print(f"{r} ranks: small's partitions at or over the minimum: "
+          f"{'embedding and output layer' if swap_at[r] == EMBED_AND_HEAD else len(swap_at[r]) or 'none'}; "
+          f"tiny's fp32 optimizer partition over it: {opt_at[r]}")
+claim("small: on 2 to 7 ranks exactly the embedding's and the output layer's partitions reach the minimum, on 8 or "
+      "more none, on 1 more than those two",
+      all(swap_at[r] == EMBED_AND_HEAD for r in range(2, 8)) and not any(swap_at[r] for r in (8, 9))
+      and set(EMBED_AND_HEAD) < set(swap_at[1]))
+claim("tiny: the optimizer's fp32 partition reaches the minimum on 1 or 2 ranks, not on 3 or more",
+      opt_at[1] and opt_at[2] and not any(opt_at[r] for r in range(3, 10)))
 
 # %% [markdown]
 # ## NVMe needs a compiled op
@@ -379,7 +392,7 @@ if NVME_OK:
 #
 # Step time of each run against the same backend without offload: the median of the steps
 # after the warm-up steps the jobs' own medians leave out, and their quartiles. Each config
-# runs once, one after the other (on this guide's test box, a shared 2-core machine), so a
+# runs once, one after the other (on a machine other work may share), so a
 # ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
 # and claims no cost (notebook 08 interleaves repeated runs where it claims one).
 

@@ -3,6 +3,7 @@
     python -m helpers.convert ckpt/step_10 ckpt_ds/step_10 --to deepspeed   # then --resume it under DeepSpeed
     python -m helpers.convert ckpt_ds/step_10 ckpt_fs/step_10 --to fsdp     # then --resume it under FSDP
     python -m helpers.convert ckpt/step_10 hf_model --to hf                  # config.json + model.safetensors
+    python -m helpers.convert ckpt_ds/step_10 univ/step_10 --to universal   # DeepSpeed's universal checkpoint
 
 One process, no GPU, no process group. Every source (see helpers.job.checkpoint:
 FSDP ``sharded`` DCP, FSDP ``full``, DeepSpeed ZeRO stage 0-3) is first read into one
@@ -21,6 +22,9 @@ consolidated fp32 layout, parameter by parameter, by name::
   ``safe_set_full_optimizer_state``; see helpers.job.ds_import.import_deepspeed).
 - ``--to hf`` writes ``config.json`` + ``model.safetensors`` (fp32 weights, no
   optimizer): loadable with ``from_pretrained`` or ``--model DIR``.
+- ``--to universal`` runs DeepSpeed's own ``ds_to_universal`` on a DeepSpeed checkpoint (format
+  ``universal``): DeepSpeed resumes it at any world size with ``"checkpoint": {"load_universal": true}``.
+  A universal checkpoint is also a source for the other targets.
 
 Nothing is overwritten; ``DST`` appears only once complete. Bad input (not a
 checkpoint, a partial one, state that does not match its model) exits 2 with
@@ -42,8 +46,9 @@ from pathlib import Path
 
 from helpers import set_ds_accelerator
 from helpers.core import safeload
+from helpers.universal import read_universal, to_universal
 
-TARGETS = ("fsdp", "deepspeed", "hf")
+TARGETS = ("fsdp", "deepspeed", "hf", "universal")
 
 
 @contextlib.contextmanager
@@ -70,12 +75,36 @@ def read_consolidated(src: str | os.PathLike, meta: dict) -> dict:
         with single_process_dcp():
             dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
         state = planner.original_state_dict  # the planner built it from the checkpoint's metadata
+    elif meta["format"] == "universal":
+        state = _universal_with_frozen(p / "ds" / "ds", meta)
     else:
         state = read_deepspeed(p / "ds" / "ds", meta)
     for key in ("model", "optim"):
         if key not in state:
             raise CheckpointError(f"checkpoint {p}: partial checkpoint (no {key} state in it)")
     check_state(state, meta, str(p))
+    return state
+
+
+def _universal_with_frozen(folder: Path, meta: dict) -> dict:
+    """``read_universal``, less the tied aliases it writes a directory for, plus the frozen parameters' weights,
+    which ZeRO-3's universal files leave in the model states files DeepSpeed's tool copies beside them."""
+    state = read_universal(folder, meta)
+    ms_first = next((f for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                 folder / "mp_rank_00_model_states.pt") if f.is_file()), None)
+    if ms_first is None:
+        return state
+    ms = safeload.load(ms_first, "deepspeed")
+    for alias in ms.get("shared_params") or {}:  # one tensor under two names: the parameter's own is kept
+        state["model"].pop(alias, None)
+        state["optim"]["state"].pop(alias, None)
+    for g in state["optim"]["param_groups"]:
+        g["params"] = [n for n in g["params"] if n in state["optim"]["state"]]
+    stage3 = ms_first.name.startswith("zero_pp_rank_")
+    files = sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"),
+                   key=lambda f: int(f.name.split("zero_pp_rank_")[1].split("_")[0])) if stage3 else [ms_first]
+    for name, t in _frozen(files, 3 if stage3 else 2).items():
+        state["model"].setdefault(name, t)
     return state
 
 
@@ -256,6 +285,12 @@ def check_state(state: dict, meta: dict, where: str) -> None:
                               f"parameters (e.g. {missing[0]})")
 
 
+def _saved_dtypes(state: dict) -> dict[str, list[str]]:
+    return {"model": sorted({str(v.dtype).removeprefix("torch.") for v in state["model"].values()}),
+            "optim": sorted({str(v.dtype).removeprefix("torch.") for s in state["optim"]["state"].values()
+                             for v in s.values() if hasattr(v, "dtype") and v.dim() > 0})}
+
+
 def convert(src: str, dst: str, to: str) -> dict:
     """Write ``dst`` from checkpoint ``src``; returns the new meta. Raises CheckpointError on bad input."""
     import torch
@@ -273,12 +308,25 @@ def convert(src: str, dst: str, to: str) -> dict:
         import torch.distributed.checkpoint  # noqa: F401
     if meta["format"] == "deepspeed":
         import deepspeed  # noqa: F401 - its pickled classes are in DeepSpeed's files
+    if to == "universal" and meta["format"] != "deepspeed":
+        raise CheckpointError(f"--to universal: {src} is a {meta['format']} checkpoint; DeepSpeed's ds_to_universal "
+                              "reads DeepSpeed checkpoints: resume it under DeepSpeed (--to deepspeed), save, then "
+                              "convert that")
     t0 = time.perf_counter()
-    state = read_consolidated(src, meta)
+    state = read_consolidated(src, meta) if to != "universal" else None
     tmp = d.with_name(f".{d.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if to == "hf":
+    if to == "universal":
+        to_universal(Path(src), tmp)
+        if (Path(src) / "rng").is_dir():
+            shutil.copytree(Path(src) / "rng", tmp / "rng")
+        state = _universal_with_frozen(tmp / "ds" / "ds", meta)  # read back what DeepSpeed wrote, checked as a source
+        check_state(state, meta, str(tmp))
+        new = {**{k: v for k, v in meta.items() if k not in ("save_seconds", "bytes")},
+               "format": "universal", "converted_from": str(src), "converted_to": to,
+               "saved_dtypes": _saved_dtypes(state)}
+    elif to == "hf":
         from safetensors.torch import save_file
 
         cfg = dict(meta["model_config"])
@@ -303,11 +351,7 @@ def convert(src: str, dst: str, to: str) -> dict:
             shutil.copytree(Path(src) / "rng", tmp / "rng")
         new = {**{k: v for k, v in meta.items() if k not in ("save_seconds", "bytes")},
                "format": fmt, "converted_from": str(src), "converted_to": to,
-               "saved_dtypes": {"model": sorted({str(v.dtype).removeprefix("torch.")
-                                                 for v in state["model"].values()}),
-                                "optim": sorted({str(v.dtype).removeprefix("torch.")
-                                                 for s in state["optim"]["state"].values() for v in s.values()
-                                                 if hasattr(v, "dtype") and v.dim() > 0})}}
+               "saved_dtypes": _saved_dtypes(state)}
     new["convert_seconds"] = time.perf_counter() - t0
     new["bytes"] = dir_bytes(tmp)
     (tmp / (META if to != "hf" else "conversion.json")).write_text(json.dumps(new, indent=2))
@@ -322,7 +366,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m helpers.convert", description=__doc__.split("\n\n")[0])
     ap.add_argument("src", help="checkpoint directory (DIR/step_K)")
     ap.add_argument("dst", help="new directory to write (must not exist)")
-    ap.add_argument("--to", required=True, help="fsdp, deepspeed or hf")
+    ap.add_argument("--to", required=True, help="fsdp, deepspeed, hf or universal")
     args = ap.parse_args(argv)
     set_ds_accelerator(cpu=True)
     from helpers.job.checkpoint import CheckpointError

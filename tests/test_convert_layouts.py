@@ -83,3 +83,21 @@ def test_both_ways_and_exact_resume(layout):
             assert all(torch.equal(s[x], b["optim"]["state"][k][x]) for x in ("exp_avg", "exp_avg_sq", "step"))
     losses = json.loads((out / "loss3.json").read_text())
     assert losses["resume"] == losses["save"], losses
+
+
+def test_deepspeeds_universal_checkpoint_agrees_with_our_reader(layout, tmp_path):
+    """DeepSpeed's own ds_to_universal (helpers.convert --to universal) on the same layout: per parameter, its
+    fp32 weights, Adam moments and step equal what the guide's converter reads from the native files."""
+    from helpers.convert import convert
+
+    out, _ = layout
+    ck = out / "step_2"
+    convert(str(ck), str(tmp_path / "univ"), "universal")
+    ours, theirs = (read_consolidated(p, read_meta(p)) for p in (ck, tmp_path / "univ"))
+    for name, t in ours["model"].items():
+        assert torch.equal(theirs["model"][name], t), name
+    assert ours["optim"]["state"].keys() == theirs["optim"]["state"].keys()
+    for name, st in ours["optim"]["state"].items():
+        other = theirs["optim"]["state"][name]
+        assert torch.equal(st["exp_avg"], other["exp_avg"]) and torch.equal(st["exp_avg_sq"], other["exp_avg_sq"]), name
+        assert float(st["step"]) == float(other["step"]), name

@@ -179,3 +179,88 @@ def test_fp32_zero0_checkpoint_holds_fp32_state(stages):
     state = read_consolidated(stages / "z0_ck" / "step_2", meta)
     assert {float(s["step"]) for s in state["optim"]["state"].values()} == {2.0}
     assert all(t.dtype == torch.float32 for t in state["model"].values())
+
+
+# --------------------------------------------------------------------------- DeepSpeed's universal checkpoint
+def with_universal(base_json: str, out) -> str:
+    """A launch config: ``base_json`` plus ``"checkpoint": {"load_universal": true}`` (DeepSpeed's own key)."""
+    js = json.loads((REPO / base_json).read_text())
+    js["checkpoint"] = {"load_universal": True}
+    name = out / f"{(REPO / base_json).stem}_universal"
+    name.with_suffix(".json").write_text(json.dumps(js))
+    name.with_suffix(".yaml").write_text(f"distributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                                         f"  deepspeed_config_file: {name.with_suffix('.json')}\n")
+    return str(name.with_suffix(".yaml"))
+
+
+@pytest.fixture(scope="session")
+def universal(ds_anywhere, stages):
+    """ZeRO-3 (fp32, saved at 2 ranks) and ZeRO-1 (bf16) checkpoints through DeepSpeed's ds_to_universal
+    (helpers.convert --to universal); resumed by DeepSpeed's own loader at 1 and 4 ranks, and at 2."""
+    b, s = ds_anywhere, stages
+    convert(str(b / "ds_ck" / "step_2"), str(b / "ds_univ"), "universal")
+    cfg = with_universal("launch_configs/deepspeed/zero3_fp32.json", b)
+    for name, ws in (("univ_1", 0), ("univ_4", 4)):
+        ok(job((cfg,), b / name, ws, "--resume", str(b / "ds_univ")), name)
+    convert(str(s / "z1_ck" / "step_2"), str(s / "z1_univ"), "universal")
+    ok(run_job(with_universal("launch_configs/deepspeed/zero1.json", s), s / "z1_univ_2", 2, "--model", "tiny",
+               "--steps", "4", "--resume", str(s / "z1_univ")), "zero1 universal")
+    return b, s
+
+
+@pytest.mark.parametrize("ws", [1, 4])
+def test_universal_checkpoint_resumes_at_another_world_size_as_the_guides_conversion(universal, ws):
+    """DeepSpeed's route (ds_to_universal + load_universal) and the guide's (convert --to deepspeed + import)
+    restore the same state: the same losses, bit for bit, at 1 and at 4 ranks."""
+    b, _ = universal
+    s = summary(b / f"univ_{ws}")
+    assert s["world_size"] == ws and s["resumed_from"]["format"] == "universal"
+    assert s["losses"] == summary(b / f"ds_{ws}")["losses"], (s["losses"], summary(b / f"ds_{ws}")["losses"])
+
+
+def test_zero1_universal_checkpoint_resumes_exactly(universal):
+    _, s = universal
+    assert summary(s / "z1_univ_2")["losses"] == summary(s / "z1")["losses"][2:]
+
+
+@pytest.mark.parametrize("which", ["zero3", "zero1"])
+def test_universal_files_hold_the_same_weights_and_adam_state_as_deepspeeds(universal, which):
+    """The universal checkpoint's per-parameter fp32 weights, Adam moments and step, against the guide's own
+    reader of the native ZeRO files: equal, tensor for tensor."""
+    b, s = universal
+    native, univ = {"zero3": (b / "ds_ck" / "step_2", b / "ds_univ"), "zero1": (s / "z1_ck" / "step_2",
+                                                                             s / "z1_univ")}[which]
+    a, u = (read_consolidated(p, read_meta(p)) for p in (native, univ))
+    assert a["model"].keys() == u["model"].keys() and a["optim"]["state"].keys() == u["optim"]["state"].keys()
+    assert all(torch.equal(a["model"][k], u["model"][k]) for k in a["model"])
+    for k, st in a["optim"]["state"].items():
+        assert all(torch.equal(st[x], u["optim"]["state"][k][x]) for x in ("exp_avg", "exp_avg_sq"))
+        assert float(st["step"]) == float(u["optim"]["state"][k]["step"]) == 2.0
+
+
+def test_universal_needs_its_key_and_a_deepspeed_source(universal, tmp_path):
+    b, _ = universal
+    proc = job(DS_FP32, tmp_path / "r", 0, "--resume", str(b / "ds_univ"))
+    assert proc.returncode == 2 and "a DeepSpeed universal checkpoint; DeepSpeed reads it when its JSON says " \
+        "\"checkpoint\": {\"load_universal\": true}" in proc.stderr
+    cfg = with_universal("launch_configs/deepspeed/zero3_fp32.json", tmp_path)
+    proc = job((cfg,), tmp_path / "r2", 0, "--resume", str(b / "ds_full"))
+    assert proc.returncode == 2 and "checkpoint.load_universal is true in the DeepSpeed JSON, but this is a full " \
+        "checkpoint" in proc.stderr
+    with pytest.raises(Exception, match="--to universal: .* is a full checkpoint; DeepSpeed's ds_to_universal"):
+        convert(str(b / "ds_full"), str(tmp_path / "u"), "universal")
+
+
+def test_dcp_reader_agrees_with_torchs_dcp_to_torch_save(fsdp_anywhere, tmp_path):
+    """The converter's DCP reader against torch's own offline tool (format_utils.dcp_to_torch_save): every
+    weight and Adam tensor equal."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ck = fsdp_anywhere / "fsdp_ck" / "step_2"
+    ours = read_consolidated(ck, read_meta(ck))
+    dcp_to_torch_save(str(ck / "dcp"), str(tmp_path / "t.pt"))  # our own checkpoint: trusted, unpickled in full
+    theirs = torch.load(tmp_path / "t.pt", weights_only=False)
+    assert ours["model"].keys() == theirs["model"].keys() and ours["model"]
+    assert all(torch.equal(t, theirs["model"][k]) for k, t in ours["model"].items())
+    for k, st in ours["optim"]["state"].items():
+        assert all(torch.equal(st[x], theirs["optim"]["state"][k][x]) for x in ("exp_avg", "exp_avg_sq", "step"))

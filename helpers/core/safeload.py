@@ -141,7 +141,7 @@ def scan(ckpt: str | os.PathLike, fmt: str) -> None:
         scan_file(f, "rng")
     if fmt == "full":
         scan_file(p / "full.pt", "full")
-    elif fmt == "deepspeed":
+    elif fmt in ("deepspeed", "universal"):
         for f in sorted(p.glob("ds/**/*.pt")) + sorted(p.glob("*.bin")):
             scan_file(f, "deepspeed")
     elif fmt == "sharded":

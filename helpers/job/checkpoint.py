@@ -26,6 +26,10 @@ three formats (``meta["format"]``):
     ``ds/``: ``engine.save_checkpoint`` (ZeRO partitions, same world size to
     resume), plus ``model_16bit.bin`` (``save_16bit_model``, a torch pickle
     of bf16 weights) when ``zero3_save_16bit_model`` is set.
+``universal`` (DeepSpeed's universal checkpoint, ``helpers.convert --to universal``: DeepSpeed's own
+    ``ds_to_universal`` on a ``deepspeed`` checkpoint) ``ds/ds/zero/NAME/{fp32,exp_avg,exp_avg_sq}.pt``
+    per parameter; DeepSpeed resumes it at any world size through its own loader when the JSON asks
+    (``"checkpoint": {"load_universal": true}``).
 
 Every rank also writes ``rng/rank{r}.pt``. Every file is read back without running code from it
 (``helpers.core.safeload``: ``weights_only`` loads, DeepSpeed's classes allow-listed, DCP metadata
@@ -61,7 +65,7 @@ from helpers.core.models import clean_fqn, model_config, resolve_model
 from helpers.job.ds_import import CheckpointError, import_deepspeed
 
 META = "meta.json"
-FORMATS = ("sharded", "full", "deepspeed")
+FORMATS = ("sharded", "full", "deepspeed", "universal")
 
 
 # --------------------------------------------------------------------------- reading what is on disk
@@ -85,7 +89,7 @@ def read_meta(path: str | os.PathLike) -> dict:
     fmt = meta.get("format")
     if fmt not in FORMATS:
         raise CheckpointError(f"checkpoint {p}: format = {fmt!r} in meta.json; allowed: {', '.join(FORMATS)}")
-    need = {"sharded": "dcp/.metadata", "full": "full.pt", "deepspeed": "ds"}[fmt]
+    need = {"sharded": "dcp/.metadata", "full": "full.pt", "deepspeed": "ds", "universal": "ds/ds/zero"}[fmt]
     if not (p / need).exists():
         raise CheckpointError(f"checkpoint {p}: partial checkpoint ({need} is missing)")
     return meta
@@ -126,6 +130,16 @@ def check_resume(path: str, job, world_size: int) -> dict:
     if meta["format"] == "sharded" and job.backend != "fsdp":
         raise CheckpointError(f"--resume {path}: an FSDP sharded (DCP) checkpoint; DeepSpeed cannot read it. "
                               f"Convert it: python -m helpers.convert {path} NEW_DIR --to deepspeed")
+    universal = bool(((job.deepspeed.json or {}).get("checkpoint") or {}).get("load_universal")) \
+        if job.backend == "deepspeed" else False
+    if meta["format"] == "universal" and not universal:
+        raise CheckpointError(f"--resume {path}: a DeepSpeed universal checkpoint; DeepSpeed reads it when its JSON "
+                              f"says \"checkpoint\": {{\"load_universal\": true}} (a DeepSpeed config), or "
+                              f"convert it: python -m helpers.convert {path} NEW_DIR --to fsdp|deepspeed")
+    if universal and meta["format"] != "universal":
+        raise CheckpointError(f"--resume {path}: checkpoint.load_universal is true in the DeepSpeed JSON, but this is "
+                              f"a {meta['format']} checkpoint; make one: python -m helpers.convert {path} NEW_DIR "
+                              "--to universal (from a DeepSpeed checkpoint), or drop the key")
     if meta["format"] == "deepspeed":
         if job.backend != "deepspeed":
             raise CheckpointError(f"--resume {path}: a DeepSpeed checkpoint; FSDP cannot read it. "
@@ -301,7 +315,12 @@ def restore(engine, meta: dict, path: str, state: dict | None = None) -> int:
     p, rank = Path(path), dist.get_rank()
     check_model(meta, param_shapes(engine.module), str(p))
     fmt = meta["format"]
-    if engine.backend == "deepspeed" and fmt == "deepspeed":
+    if fmt == "universal":  # DeepSpeed's own loader, at any world size (every file scanned by check_resume)
+        load_path, _ = engine.engine.load_checkpoint(str(p / "ds"), tag="ds", load_module_strict=True,
+                                                     load_optimizer_states=True, load_lr_scheduler_states=False)
+        if load_path is None:
+            raise CheckpointError(f"checkpoint {p}: DeepSpeed found nothing to load in {p / 'ds'}")
+    elif engine.backend == "deepspeed" and fmt == "deepspeed":
         # DeepSpeed's own reader unpickles with weights_only=False; read its files through ours instead
         engine.engine.checkpoint_engine.load = lambda f, map_location=None: safeload.load(f, "deepspeed")
         load_path, _ = engine.engine.load_checkpoint(str(p / "ds"), tag="ds", load_module_strict=True,
@@ -341,4 +360,8 @@ def check_args(args, job, world_size: int) -> dict | None:
         raise CheckpointError(f"--checkpoint-dir {d}: give --checkpoint-every K too (save every K steps)")
     if d and Path(d).exists() and not Path(d).is_dir():
         raise CheckpointError(f"--checkpoint-dir {d}: is a file, not a directory")
+    if job.backend == "deepspeed" and ((job.deepspeed.json or {}).get("checkpoint") or {}).get("load_universal") \
+            and not args.resume:
+        job.notes.append("checkpoint.load_universal = true: no effect without --resume (it says how to read the "
+                         "checkpoint a job resumes from)")
     return check_resume(args.resume, job, world_size) if args.resume else None

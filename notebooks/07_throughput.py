@@ -174,7 +174,7 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}
 # **What it means.** The two backends do the same work. Whether one was faster here is the
 # verdict above: a difference is called only when every run of one is beyond every run of the
 # other and their steps' spreads part (step times on a shared 2-core machine vary from step to
-# step and from job to job); the seeds measured 2% on 4x A100. The table shows every run: the
+# step and from job to job); the seeds' two figures on 4x A100 (one number each, no spread) differ by 2%. The table shows every run: the
 # same job's step time can move between runs (the run medians above).
 # The absolute numbers are not comparable with the seeds': the last line puts the peaks and
 # the achieved FLOP/s side by side; tokens/s depends on both the model (ours needs far fewer
@@ -294,8 +294,8 @@ for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a
     two, four = rk.loc[(backend, 2)], rk.loc[(backend, 4)]
     # 4 ranks share the cores: no rank gets faster. How much slower each gets depends on how much of a step
     # a rank spends waiting in collectives (then its core-mate computes) and on other load on the machine.
-    claim(f"{backend}: at 4 ranks on {CORES} cores no rank gets faster than at 2 (within 10%)",
-          four.tokens_per_s_per_rank < 1.1 * two.tokens_per_s_per_rank,
+    claim(f"{backend}: at 4 ranks on {CORES} cores each rank is slower than at 2 (under 0.8x its tokens/s): "
+          "two ranks share a core", four.tokens_per_s_per_rank < 0.8 * two.tokens_per_s_per_rank,
           per_rank_4_over_2=float(four.tokens_per_s_per_rank / two.tokens_per_s_per_rank),
           total_4_over_2=float(four.tokens_per_s / two.tokens_per_s), mfu_2=float(two.mfu), mfu_4=float(four.mfu))
 
@@ -314,12 +314,12 @@ for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a
 #   its gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults --> With gloo these are memory copies
 #   and loopback sockets on the same 2 cores that compute: gloo's own threads can run them
 #   beside the compute, but they take cycles from the same cores (notebook 04 counts the
-#   collectives per step and times their overlap). <!-- fact: torch.gloo_worker_threads --> On GPUs, NCCL over
+#   collectives per step and times how long they run beside compute). <!-- fact: torch.gloo_worker_threads --> On GPUs, NCCL over
 #   NVLink/InfiniBand runs on its own streams and FSDP's prefetch overlaps the next
 #   layer's all-gather with this layer's compute (not checked here). <!-- fact: torch.gpu_collectives_own_stream -->
 # * **Fixed costs per op.** A small model issues many small ops; on a GPU the same
 #   launch overheads shrink with `torch.compile`, which fuses ops, and CUDA graphs (its
-#   `mode="reduce-overhead"`, not the default). <!-- fact: torch.compile_cudagraphs_only_reduce_overhead --> We have not measured how
+#   modes `"reduce-overhead"` and `"max-autotune"`, not the default). <!-- fact: torch.compile_default_no_cudagraphs --> We have not measured how
 #   much of the seeds' 0.4 that accounts for.
 # * **bf16 depends on the hardware.** The check after the size sweep says which dtype is
 #   faster on this CPU; on GPUs bf16 is the fast path (not checked here). On each, MFU counts
@@ -332,7 +332,7 @@ for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a
 # below), so read each group on its own:
 
 # %%
-facts.show("torch.compile_cudagraphs_only_reduce_overhead")
+facts.show("torch.compile_default_no_cudagraphs")
 recap = pd.concat([
     pair.assign(model="tiny", dtype="bf16"),
     size.assign(name=lambda d: d.backend + " " + d.model + ", " + d.world_size.astype(str) + " ranks")

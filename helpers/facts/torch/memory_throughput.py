@@ -80,16 +80,20 @@ def _omp_threads():
     return one == 1 and two == 2, {"OMP_NUM_THREADS=1": one, "OMP_NUM_THREADS=2": two}
 
 
-@fact("torch.compile_cudagraphs_only_reduce_overhead",
-      "torch.compile's default mode fuses ops but does not use CUDA graphs; mode=\"reduce-overhead\" turns them on.",
+@fact("torch.compile_default_no_cudagraphs",
+      "torch.compile's default mode fuses ops but does not use CUDA graphs; mode=\"reduce-overhead\" turns them on "
+      "(and so does \"max-autotune\").",
       "torch", V, "_inductor/__init__.py: list_mode_options; _inductor/config.py: triton.cudagraphs")
 def _compile_modes():
     import torch._inductor as inductor
     from torch._inductor import config
 
     default, ro = inductor.list_mode_options("default"), inductor.list_mode_options("reduce-overhead")
-    ok = not default.get("triton.cudagraphs") and ro.get("triton.cudagraphs") is True and not config.triton.cudagraphs
-    return ok, {"default mode": default, "reduce-overhead": ro, "triton.cudagraphs default": config.triton.cudagraphs}
+    ma = inductor.list_mode_options("max-autotune")
+    ok = not default.get("triton.cudagraphs") and ro.get("triton.cudagraphs") is True and not config.triton.cudagraphs \
+        and ma.get("triton.cudagraphs") is True
+    return ok, {"default mode": default, "reduce-overhead": ro, "max-autotune cudagraphs": ma.get("triton.cudagraphs"),
+                "triton.cudagraphs default": config.triton.cudagraphs}
 
 
 @fact("torch.cuda_memory_fraction_oom",

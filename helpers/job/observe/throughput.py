@@ -30,7 +30,7 @@ fp32, as torch keeps TF32 off by default, or TF32 = half the bf16 peak when it i
 switched on); on a CPU, measured at job start by
 ``measure_cpu_peak``: rank 0 alone (the others wait) times a square matmul
 in the job's compute dtype on the job's threads (``OMP_NUM_THREADS``, 1 in
-the guide), best of a few calls in about half a second. ``--peak-tflops``
+the guide), best of a few calls over ``CPU_BENCH_SECONDS``. ``--peak-tflops``
 overrides both (a GPU that is not in the table).
 """
 

@@ -22,8 +22,9 @@ consolidated fp32 layout, parameter by parameter, by name::
   ``safe_set_full_optimizer_state``; see helpers.job.ds_import.import_deepspeed).
 - ``--to hf`` writes ``config.json`` + ``model.safetensors`` (fp32 weights, no
   optimizer): loadable with ``from_pretrained`` or ``--model DIR``.
-- ``--to universal`` runs DeepSpeed's own ``ds_to_universal`` on a DeepSpeed checkpoint (format
-  ``universal``): DeepSpeed resumes it at any world size with ``"checkpoint": {"load_universal": true}``.
+- ``--to universal`` runs DeepSpeed's own ``ds_to_universal`` (format ``universal``): on a DeepSpeed
+  checkpoint directly, on any other after writing DeepSpeed's ZeRO-3 files from it at one rank
+  (helpers.universal). DeepSpeed resumes it at any world size with ``"checkpoint": {"load_universal": true}``.
   A universal checkpoint is also a source for the other targets.
 
 Nothing is overwritten; ``DST`` appears only once complete. Bad input (not a
@@ -46,7 +47,7 @@ from pathlib import Path
 
 from helpers import set_ds_accelerator
 from helpers.core import safeload
-from helpers.universal import read_universal, to_universal
+from helpers.universal import native_at_one_rank, read_universal, to_universal
 
 TARGETS = ("fsdp", "deepspeed", "hf", "universal")
 
@@ -308,17 +309,18 @@ def convert(src: str, dst: str, to: str) -> dict:
         import torch.distributed.checkpoint  # noqa: F401
     if meta["format"] == "deepspeed":
         import deepspeed  # noqa: F401 - its pickled classes are in DeepSpeed's files
-    if to == "universal" and meta["format"] != "deepspeed":
-        raise CheckpointError(f"--to universal: {src} is a {meta['format']} checkpoint; DeepSpeed's ds_to_universal "
-                              "reads DeepSpeed checkpoints: resume it under DeepSpeed (--to deepspeed), save, then "
-                              "convert that")
+    if to == "universal" and meta["format"] == "universal":
+        raise CheckpointError(f"--to universal: {src} is a universal checkpoint already")
     t0 = time.perf_counter()
     state = read_consolidated(src, meta) if to != "universal" else None
     tmp = d.with_name(f".{d.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if to == "universal":
-        to_universal(Path(src), tmp)
+        if meta["format"] != "deepspeed":  # DeepSpeed's tool reads DeepSpeed's files: write them first (1 rank)
+            native_at_one_rank(Path(src), tmp / "native")
+        to_universal(Path(src) if meta["format"] == "deepspeed" else tmp / "native", tmp)
+        shutil.rmtree(tmp / "native", ignore_errors=True)
         if (Path(src) / "rng").is_dir():
             shutil.copytree(Path(src) / "rng", tmp / "rng")
         state = _universal_with_frozen(tmp / "ds" / "ds", meta)  # read back what DeepSpeed wrote, checked as a source

@@ -202,6 +202,9 @@ def universal(ds_anywhere, stages):
     cfg = with_universal("launch_configs/deepspeed/zero3_fp32.json", b)
     for name, ws in (("univ_1", 0), ("univ_4", 4)):
         ok(job((cfg,), b / name, ws, "--resume", str(b / "ds_univ")), name)
+    # the other direction: from the guide's own converted file (full.pt), through DeepSpeed's files at one rank
+    convert(str(b / "ds_full"), str(b / "full_univ"), "universal")
+    ok(job((cfg,), b / "full_univ_2", 2, "--resume", str(b / "full_univ")), "universal from full.pt")
     convert(str(s / "z1_ck" / "step_2"), str(s / "z1_univ"), "universal")
     ok(run_job(with_universal("launch_configs/deepspeed/zero1.json", s), s / "z1_univ_2", 2, "--model", "tiny",
                "--steps", "4", "--resume", str(s / "z1_univ")), "zero1 universal")
@@ -247,8 +250,19 @@ def test_universal_needs_its_key_and_a_deepspeed_source(universal, tmp_path):
     proc = job((cfg,), tmp_path / "r2", 0, "--resume", str(b / "ds_full"))
     assert proc.returncode == 2 and "checkpoint.load_universal is true in the DeepSpeed JSON, but this is a full " \
         "checkpoint" in proc.stderr
-    with pytest.raises(Exception, match="--to universal: .* is a full checkpoint; DeepSpeed's ds_to_universal"):
-        convert(str(b / "ds_full"), str(tmp_path / "u"), "universal")
+    with pytest.raises(Exception, match="--to universal: .* is a universal checkpoint already"):
+        convert(str(b / "ds_univ"), str(tmp_path / "u"), "universal")
+
+
+def test_a_universal_checkpoint_made_from_the_guides_files_resumes_in_deepspeed(universal):
+    """full.pt (the guide's converter output) -> DeepSpeed's ZeRO-3 files at one rank -> ds_to_universal: DeepSpeed's
+    loader resumes it at 2 ranks exactly where the straight run was, and it holds the same state as its source."""
+    b, _ = universal
+    assert summary(b / "full_univ_2")["losses"] == summary(b / "ds")["losses"][2:]
+    a, u = (read_consolidated(p, read_meta(p)) for p in (b / "ds_full", b / "full_univ"))
+    assert all(torch.equal(a["model"][k], u["model"][k]) for k in a["model"])
+    assert all(torch.equal(st[x], u["optim"]["state"][k][x]) for k, st in a["optim"]["state"].items()
+               for x in ("exp_avg", "exp_avg_sq"))
 
 
 def test_dcp_reader_agrees_with_torchs_dcp_to_torch_save(fsdp_anywhere, tmp_path):

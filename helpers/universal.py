@@ -3,7 +3,7 @@
 ``to_universal`` runs DeepSpeed's own ``ds_to_universal`` on a DeepSpeed checkpoint (``helpers.convert --to
 universal``); DeepSpeed resumes the result at any world size with ``"checkpoint": {"load_universal": true}``
 (launch_configs/deepspeed/zero3_universal.yaml). From any other format (FSDP's, or the guide's ``full.pt``)
-``python -m helpers.universal SRC OUT`` first writes DeepSpeed's own ZeRO-3 files at one rank: an engine in
+``python -m helpers.universal_native SRC OUT`` first writes DeepSpeed's own ZeRO-3 files at one rank: an engine in
 that process imports the state as a resuming job does (helpers.job.ds_import) and saves; ``ds_to_universal``
 then reads those. ``read_universal`` reads a universal checkpoint into the converter's consolidated layout,
 so it is also a source for ``--to fsdp|deepspeed|hf``.
@@ -80,52 +80,8 @@ def native_at_one_rank(src: Path, out: Path) -> None:
     from helpers.job.checkpoint import CheckpointError
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "helpers.universal", str(src), str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "helpers.universal_native", str(src), str(out)], capture_output=True,
                           text=True, env=env)
     if proc.returncode != 0:
         last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no message)"]
         raise CheckpointError(f"writing DeepSpeed's files from {src} failed: {last[0].strip()}")
-
-
-def _save_native(src: str, out: str) -> None:
-    """One rank, ZeRO-3, fp32: the model from the checkpoint's config, its state imported, ``save_checkpoint``."""
-    import json
-    import tempfile
-    from types import SimpleNamespace
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    import torch
-    import torch.distributed as dist
-
-    from helpers.convert import read_consolidated
-    from helpers.core.models import build_model, resolve_model
-    from helpers.job.checkpoint import read_meta
-    from helpers.job.ds_import import import_deepspeed
-
-    meta = read_meta(src)
-    state = read_consolidated(src, meta)
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "config.json").write_text(json.dumps(meta["model_config"]))
-        model = build_model(resolve_model(d), torch.float32, seed=0)
-    model.load_state_dict(state["model"], strict=False)  # a tied alias is one tensor: loaded once
-    trained = {n for g in state["optim"]["param_groups"] for n in g["params"]}
-    for n, prm in model.named_parameters():
-        prm.requires_grad_(n in trained)  # frozen parameters: weights only, as saved
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    import deepspeed
-
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], foreach=False)
-    js = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
-          "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**12}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=js)
-    import_deepspeed(SimpleNamespace(engine=engine, module=engine.module), state)
-    engine.save_checkpoint(str(Path(out) / "ds"), tag="ds", client_state={}, save_latest=False)
-
-
-if __name__ == "__main__":
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    _save_native(sys.argv[1], sys.argv[2])
-    sys.stdout.flush()
-    os._exit(0)  # skip a teardown that gloo's threads can abort

@@ -38,6 +38,7 @@ import os
 from pathlib import Path
 
 import pandas as pd
+from safetensors.torch import load_file
 
 from helpers import facts, nb
 from helpers.job import checkpoint
@@ -62,7 +63,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # | config | what is on disk |
 # |---|---|
 # | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it <!-- fact: torch.dcp_file_per_rank --> |
-# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, one file in the parameters' dtype (fp32 here: the model, built in bf16, is upcast to fp32 before sharding) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
+# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, model and optimizer in one file (Accelerate's `save_state` writes the model's into one file too) in the parameters' dtype (fp32 here: the model, built in bf16, is upcast to fp32 before sharding) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
 # | DeepSpeed | `ds/`: `engine.save_checkpoint`, two files per rank (model states, optimizer states) <!-- fact: deepspeed.zero3_checkpoint_files --> |
 # | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
 #
@@ -210,7 +211,8 @@ for path, label in ((CK / "to_ds" / f"step_{K}", "convert FSDP -> DeepSpeed"),
                      dtypes=m["saved_dtypes"]))
 m = json.loads((CK / "hf" / "conversion.json").read_text())
 rows.append(dict(kind="export hf safetensors", step=m["step"], save_s=m["convert_seconds"],
-                 MB=disk(CK / "hf" / "model.safetensors") / 1e6, dtypes={"model": ["float32"]}))
+                 MB=disk(CK / "hf" / "model.safetensors") / 1e6, dtypes={"model": sorted(
+                     {str(v.dtype).removeprefix("torch.") for v in load_file(CK / "hf" / "model.safetensors").values()})}))
 table = pd.DataFrame(rows).set_index("kind")
 table.round({"save_s": 2, "MB": 2})
 
@@ -229,7 +231,9 @@ claim("a resumable checkpoint is about 12 bytes per parameter on both backends (
 claim("FULL and SHARDED hold about the same bytes (within 5%), all fp32",
       abs(per_param["FSDP SHARDED (DCP)"] - per_param["FSDP FULL"]) / per_param["FSDP FULL"] < 0.05
       and all(table.loc[k, "dtypes"] == {"model": ["float32"], "optim": ["float32"]}
-              for k in ("FSDP SHARDED (DCP)", "FSDP FULL")))
+              for k in ("FSDP SHARDED (DCP)", "FSDP FULL")),
+      bytes_per_param=per_param[["FSDP SHARDED (DCP)", "FSDP FULL"]].to_dict(),
+      dtypes=table.loc[["FSDP SHARDED (DCP)", "FSDP FULL"], "dtypes"].to_dict())
 smaller = per_param["DeepSpeed ZeRO-3"] / per_param["DeepSpeed 16-bit weights"]
 claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the file): 2 bytes per parameter, "
       "about 6x smaller than the ZeRO-3 checkpoint (5.7x to 6.3x)",
@@ -273,9 +277,9 @@ claim(f"transformers loads the export as {type(hf).__name__}, every tensor equal
 # DeepSpeed's `ds_to_universal`, and `deepspeed/zero3_universal.yaml` sets
 # `"checkpoint": {"load_universal": true}`, so DeepSpeed's loader reads it. <!-- fact: deepspeed.universal_checkpoint_tools -->
 # For weights only, a ZeRO-3 checkpoint carries `zero_to_fp32.py`. <!-- fact: deepspeed.zero3_checkpoint_files --> Below, the DeepSpeed
-# leg's step-`2K` checkpoint resumes on **1 rank** three ways: DeepSpeed's universal route, the
-# guide's `--to deepspeed`, and FSDP from its own step-`2K` DCP files (which reshard as they
-# load). <!-- fact: torch.dcp_file_per_rank --> Which tool to use when: [docs/checkpoints.md](../docs/checkpoints.md).
+# leg's step-`2K` checkpoint resumes on **1 rank** two ways, DeepSpeed's universal route and the
+# guide's `--to deepspeed`, and FSDP resumes the uninterrupted run's step-`2K` DCP files (the
+# same state: the relay is bit-identical; DCP reshards as it loads). <!-- fact: torch.dcp_file_per_rank --> Which tool to use when: [docs/checkpoints.md](../docs/checkpoints.md).
 
 # %% language="bash"
 # python -m helpers.convert $CK/ds/step_$K2 $CK/univ/step_$K2 --to universal
@@ -288,8 +292,6 @@ claim(f"transformers loads the export as {type(hf).__name__}, every tensor equal
 #     > /dev/null 2>&1 && ls $CK/zero_to_fp32
 
 # %%
-from safetensors.torch import load_file  # noqa: E402
-
 from helpers import set_ds_accelerator  # noqa: E402
 
 set_ds_accelerator()  # before DeepSpeed is imported (by the converter): CPU here, else CUDA
@@ -334,7 +336,7 @@ for kind, r in table.iterrows():
 #   RNG and the data position (`tests/test_checkpoint.py` and `tests/test_resume_anywhere.py`
 #   resume from each kind).
 # * Another world size, same backend: FSDP's DCP files reshard as they load; for DeepSpeed,
-#   its universal checkpoint and the guide's conversion restore the same state (above).
+#   its universal checkpoint and the guide's conversion give the same losses (above).
 # * FSDP and DeepSpeed keep the same fp32 numbers in different layouts <!-- fact: deepspeed.zero3_checkpoint_contents -->;
 #   converting through
 #   one consolidated layout, with the DeepSpeed import done inside the resuming job,

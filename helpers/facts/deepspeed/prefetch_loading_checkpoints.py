@@ -155,8 +155,8 @@ def _compile():
 
 
 @fact("deepspeed.zero3_hooks_and_dynamo",
-      "ZeRO-3's gathering hooks are excluded from dynamo (torch.compiler.disable); its other per-module hooks are "
-      "traced.",
+      "ZeRO-3 excludes two per-module hooks from dynamo (torch.compiler.disable): the pre-forward hook, which "
+      "gathers, and the post-backward hook, which releases; the others (post-forward, pre-backward) are traced.",
       "deepspeed", V, "runtime/zero/parameter_offload.py: DeepSpeedZeRoOffload._register_deepspeed_module")
 def _z3_dynamo():
     ok, ev = source_has("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload._register_deepspeed_module",
@@ -167,8 +167,9 @@ def _z3_dynamo():
 
     src = " ".join(inspect.getsource(resolve("deepspeed.runtime.zero.parameter_offload.DeepSpeedZeRoOffload."
                                              "_register_deepspeed_module")).split())
-    traced = "@torch.compiler.disable def _post_forward_module_hook" not in src
-    return ok and traced, {**ev, "post_forward_hook traced": traced}
+    traced = all(f"@torch.compiler.disable def {h}" not in src and f"def {h}" in src
+                 for h in ("_post_forward_module_hook", "_pre_backward_module_hook"))
+    return ok and traced, {**ev, "post_forward and pre_backward hooks traced": traced}
 
 
 @fact("deepspeed.zero_init_partitions_on_creation",

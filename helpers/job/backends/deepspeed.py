@@ -104,14 +104,20 @@ _SECTION = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "
 def check_with_deepspeed(js: dict, device_type: str = "cpu") -> None:
     """DeepSpeed's own parser on the resolved config, before any process group: what ``deepspeed.initialize``
     would refuse deep inside DeepSpeed is refused here, in one line (ValueError) naming the key, the value and
-    DeepSpeed's rule. (Its batch-size check is the job's own, above: here it parses as one rank.)"""
+    DeepSpeed's rule. (Its batch-size check is the job's own, above: here it parses at the world size DeepSpeed
+    sees, 1 before any process group.)"""
     import pydantic
 
     set_ds_accelerator()  # before DeepSpeed's first import, as the job's start does
+    from deepspeed import comm as ds_comm
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    try:  # DeepSpeedConfig reads the world size of a live group (a sweep's second job), else takes 1
+        ws = ds_comm.get_world_size()
+    except (RuntimeError, AssertionError, AttributeError):
+        ws = 1
     one = copy.deepcopy(js)
-    one["train_batch_size"] = one["train_micro_batch_size_per_gpu"] * one["gradient_accumulation_steps"]
+    one["train_batch_size"] = one["train_micro_batch_size_per_gpu"] * one["gradient_accumulation_steps"] * ws
     try:
         DeepSpeedConfig(one)
     except pydantic.ValidationError as e:

@@ -201,7 +201,8 @@ big = tab["largest_all_gather_MB"]
 claim("ZeRO-3's prefetch bucket gathers the whole model at once", abs(big["ZeRO-3 prefetch"] - model_mb) < 1e-3,
       largest_gather_MB=big["ZeRO-3 prefetch"], model_MB=model_mb)
 tensor_mb = max(q.numel() for q in wrap.meta_model(resolve_model(MODEL)).parameters()) * 2 / 1e6  # bf16
-claim("without prefetch ZeRO-3 gathers one tensor at a time: its largest gather is the largest tensor",
+claim("without prefetch ZeRO-3's largest gather is the largest single tensor, well under the model (the count "
+      "above shows one gather per tensor)",
       abs(big["ZeRO-3 no prefetch"] - tensor_mb) < 1e-3, largest_gather_MB=big["ZeRO-3 no prefetch"],
       largest_tensor_MB=tensor_mb)
 claim("FSDP's largest single gather is one unit, prefetch or not, and that unit is a decoder block",
@@ -217,8 +218,8 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # fewer calls need not mean less time (one large gather moves the whole model at once; the
 # ratio below is one run each).
 # FSDP's prefetch moves gathers earlier, but on gloo FSDP2 waits for each one (the intro), so
-# here it reorders them without hiding them; <!-- fact: torch.fsdp2_gathers_synchronous --> what the ratio below shows
-# beyond that, one run each cannot say. The next table shows where the
+# by design it reorders them here and cannot hide them behind compute; <!-- fact: torch.fsdp2_gathers_synchronous --> what the
+# ratio below and the overlap cell show beyond that, one run each cannot say. The next table shows where the
 # time went. The compute lane also moves with communication: it counts the autograd nodes that
 # wait on a collective (next section); with two steps a job, part may also be noise:
 

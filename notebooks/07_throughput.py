@@ -165,11 +165,11 @@ claim("the four jobs do the same training (identical losses, as in notebook 00)"
 PAIR = timing_runs("FSDP", [fsdp, fsdp_2], "DeepSpeed", [ds, ds_2], metrics.WARMUP_STEPS)
 print(PAIR)
 print(f"FSDP / DeepSpeed tokens/s: {1 / PAIR.ratio:.2f} here (medians), {3158.7 / 3094.5:.2f} in the seeds")
-tps = max(r.summary["tokens_per_s_per_rank"] for r in (fsdp, fsdp_2))  # FSDP's higher-median run
+tps = max(r.summary["tokens_per_s_per_rank"] for r in (fsdp, fsdp_2))  # FSDP's run with more tokens/s
 achieved = tps * fsdp.summary["flops_per_token"]
 print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}x this core's (FSDP run 1's "
       f"peak); achieved FLOP/s: the seeds' {0.41 * 312e12 / achieved:,.0f}x ours; tokens/s: ours "
-      f"{tps / 3158.7:.1f}x the seeds' (FSDP's run with the higher median)")
+      f"{tps / 3158.7:.1f}x the seeds' (FSDP's run with more tokens/s)")
 
 # %% [markdown]
 # **What it means.** The two backends do the same work. Whether one was faster here is the

@@ -238,6 +238,8 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
         fault_hook(step)  # the failure tests kill a rank here: state written, checkpoint not yet visible
     dist.barrier()
     seconds = time.perf_counter() - t0
+    if fmt == "deepspeed" and rank == 0:  # rank 0's files read back, outside the save time, before it renames
+        dtypes.update(_ds_file_dtypes(tmp))
     meta = {"format": fmt, "step": step, "backend": job.backend, "world_size": dist.get_world_size(),
             "mixed_precision": job.mixed_precision, "model": job.train.model, "seed": job.train.seed,
             "saved_dtypes": dtypes, "save_seconds": seconds, **meta_extra}
@@ -259,7 +261,7 @@ def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:
             t0 = time.perf_counter()
             ds.save_16bit_model(str(tmp), "model_16bit.bin")
             dtypes["seconds_16bit"] = time.perf_counter() - t0
-        return "deepspeed", {**dtypes, **_ds_file_dtypes(tmp)}
+        return "deepspeed", dtypes  # its files' dtypes are read back after the timed save (save)
 
     model, optim = engine.model, engine.optimizer
     if job.fsdp.state_dict_type == "SHARDED_STATE_DICT":

@@ -107,12 +107,16 @@ def _persistence():
 
 
 @fact("deepspeed.zero3_async_all_gather",
-      "DeepSpeed ZeRO-3 issues its all-gathers asynchronously (async_op=True), so the training thread goes on "
-      "while the backend moves the bytes.",
-      "deepspeed", V, "runtime/zero/partition_parameters.py: _dist_allgather_fn")
+      "DeepSpeed ZeRO-3 issues its all-gathers asynchronously (async_op=True): a prefetched gather moves its bytes "
+      "while the training thread goes on; the gather of the module about to run is waited on at once.",
+      "deepspeed", V, "runtime/zero/partition_parameters.py: _dist_allgather_fn; "
+      "runtime/zero/partitioned_param_coordinator.py: PartitionedParameterCoordinator._fetch_sub_module_impl")
 def _async_gather():
-    return source_has("deepspeed.runtime.zero.partition_parameters._dist_allgather_fn",
-                      "dist.allgather_fn)(output_tensor, input_tensor, group=group, async_op=True)")
+    ok, ev = source_has("deepspeed.runtime.zero.partition_parameters._dist_allgather_fn",
+                        "dist.allgather_fn)(output_tensor, input_tensor, group=group, async_op=True)")
+    ok2, ev2 = source_has("deepspeed.runtime.zero.partitioned_param_coordinator.PartitionedParameterCoordinator."
+                          "_fetch_sub_module_impl", ".pop(param).wait(")
+    return ok and ok2, {**ev, **ev2}
 
 
 @fact("deepspeed.zero3_backward_gather_in_autograd_node",

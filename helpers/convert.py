@@ -87,12 +87,21 @@ def read_consolidated(src: str | os.PathLike, meta: dict) -> dict:
     return state
 
 
+def _rank_of(f: Path) -> int:
+    return int(f.name.split("zero_pp_rank_")[1].split("_")[0])
+
+
+def _first_model_states(folder: Path) -> Path | None:
+    """Rank 0's model states file: ZeRO-3 writes one per rank, the other stages one for all."""
+    return next((f for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                             folder / "mp_rank_00_model_states.pt") if f.is_file()), None)
+
+
 def _universal_with_frozen(folder: Path, meta: dict) -> dict:
     """``read_universal``, less the tied aliases it writes a directory for, plus the frozen parameters' weights,
     which ZeRO-3's universal files leave in the model states files DeepSpeed's tool copies beside them."""
     state = read_universal(folder, meta)
-    ms_first = next((f for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                                 folder / "mp_rank_00_model_states.pt") if f.is_file()), None)
+    ms_first = _first_model_states(folder)
     if ms_first is None:
         return state
     ms = safeload.load(ms_first, "deepspeed")
@@ -102,8 +111,7 @@ def _universal_with_frozen(folder: Path, meta: dict) -> dict:
     for g in state["optim"]["param_groups"]:
         g["params"] = [n for n in g["params"] if n in state["optim"]["state"]]
     stage3 = ms_first.name.startswith("zero_pp_rank_")
-    files = sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"),
-                   key=lambda f: int(f.name.split("zero_pp_rank_")[1].split("_")[0])) if stage3 else [ms_first]
+    files = sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of) if stage3 else [ms_first]
     for name, t in _frozen(files, 3 if stage3 else 2).items():
         state["model"].setdefault(name, t)
     return state
@@ -135,8 +143,7 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
     from helpers.job.checkpoint import CheckpointError
 
     ws, where = meta["world_size"], folder.parent.parent
-    model_file = next((f for f in (folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                                   folder / "mp_rank_00_model_states.pt") if f.is_file()), None)
+    model_file = _first_model_states(folder)
     if model_file is None:
         raise CheckpointError(f"checkpoint {where}: partial checkpoint (no model states file in {folder})")
     ms = safeload.load(model_file, "deepspeed")
@@ -144,11 +151,8 @@ def read_deepspeed(folder: Path, meta: dict) -> dict:
     if stage == 0:
         return _read_stage0(ms, meta, where)
 
-    def rank_of(f):
-        return int(f.name.split("zero_pp_rank_")[1].split("_")[0])
-
-    optim_files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"), key=rank_of)
-    model_files = (sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=rank_of) if stage == 3
+    optim_files = sorted(folder.glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)
+    model_files = (sorted(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"), key=_rank_of) if stage == 3
                    else [model_file])  # ZeRO 1-2: one model states file for all ranks
     if len(optim_files) != ws or len(model_files) != (ws if stage == 3 else 1):
         raise CheckpointError(f"checkpoint {where}: partial checkpoint ({len(optim_files)} optimizer and "
@@ -321,13 +325,9 @@ def convert(src: str, dst: str, to: str) -> dict:
             native_at_one_rank(Path(src), tmp / "native")
         to_universal(Path(src) if meta["format"] == "deepspeed" else tmp / "native", tmp)
         shutil.rmtree(tmp / "native", ignore_errors=True)
-        if (Path(src) / "rng").is_dir():
-            shutil.copytree(Path(src) / "rng", tmp / "rng")
         state = _universal_with_frozen(tmp / "ds" / "ds", meta)  # read back what DeepSpeed wrote, checked as a source
         check_state(state, meta, str(tmp))
-        new = {**{k: v for k, v in meta.items() if k not in ("save_seconds", "bytes")},
-               "format": "universal", "converted_from": str(src), "converted_to": to,
-               "saved_dtypes": _saved_dtypes(state)}
+        fmt = "universal"
     elif to == "hf":
         from safetensors.torch import save_file
 
@@ -349,6 +349,7 @@ def convert(src: str, dst: str, to: str) -> dict:
         else:
             torch.save(state, tmp / "full.pt")
             fmt = "full"
+    if to != "hf":
         if (Path(src) / "rng").is_dir():  # restored only when the new job has the same world size
             shutil.copytree(Path(src) / "rng", tmp / "rng")
         new = {**{k: v for k, v in meta.items() if k not in ("save_seconds", "bytes")},

@@ -57,31 +57,33 @@ def read_universal(folder: Path, meta: dict) -> dict:
 
 def to_universal(src: Path, tmp: Path) -> None:
     """DeepSpeed's own ``ds_to_universal`` on a ``deepspeed`` checkpoint, into ``tmp/ds/ds`` (tag "ds")."""
-    import subprocess
 
-    from helpers.job.checkpoint import CheckpointError
 
     out = tmp / "ds" / "ds"
     out.parent.mkdir(parents=True)
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src / "ds" / "ds"),
            "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1",
            "--inject_missing_state"]  # ZeRO-1/2: the universal_checkpoint_info Megatron would save (its own flag)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    if proc.returncode != 0:
-        last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no message)"]
-        raise CheckpointError(f"DeepSpeed's ds_to_universal failed on {src}: {last[0].strip()}")
+    _run_tool(cmd, f"DeepSpeed's ds_to_universal failed on {src}", {"DS_ACCELERATOR": "cpu"})
     shutil.rmtree(out / "tmp", ignore_errors=True)  # its scratch slices (it keeps them only when asked)
 
 
 def native_at_one_rank(src: Path, out: Path) -> None:
     """Another process: ``src`` (any format) -> DeepSpeed's own ZeRO-3 files at one rank in ``out/ds/ds``."""
+
+
+    _run_tool([sys.executable, "-m", "helpers.universal_native", str(src), str(out)],
+              f"writing DeepSpeed's files from {src} failed", {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+
+
+def _run_tool(cmd: list[str], failed: str, env: dict) -> None:
+    """Run a conversion step in its own process; a failure is one CheckpointError line: ``failed`` and the last
+    line the step wrote to stderr."""
     import subprocess
 
     from helpers.job.checkpoint import CheckpointError
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "helpers.universal_native", str(src), str(out)], capture_output=True,
-                          text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     if proc.returncode != 0:
         last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no message)"]
-        raise CheckpointError(f"writing DeepSpeed's files from {src} failed: {last[0].strip()}")
+        raise CheckpointError(f"{failed}: {last[0].strip()}")

@@ -123,6 +123,12 @@ def check_model(meta: dict, shapes: dict[str, list[int]], where: str) -> None:
                                   f"{meta.get('model')!r})")
 
 
+def asks_universal(job) -> bool:
+    """Whether the job's DeepSpeed JSON says ``"checkpoint": {"load_universal": true}``."""
+    return job.backend == "deepspeed" and bool(((job.deepspeed.json or {}).get("checkpoint") or {})
+                                               .get("load_universal"))
+
+
 def check_resume(path: str, job, world_size: int) -> dict:
     """Before any process group: can this job resume from ``path``? Returns meta or raises."""
     meta = read_meta(path)
@@ -130,8 +136,7 @@ def check_resume(path: str, job, world_size: int) -> dict:
     if meta["format"] == "sharded" and job.backend != "fsdp":
         raise CheckpointError(f"--resume {path}: an FSDP sharded (DCP) checkpoint; DeepSpeed cannot read it. "
                               f"Convert it: python -m helpers.convert {path} NEW_DIR --to deepspeed")
-    universal = bool(((job.deepspeed.json or {}).get("checkpoint") or {}).get("load_universal")) \
-        if job.backend == "deepspeed" else False
+    universal = asks_universal(job)
     if meta["format"] == "universal" and not universal:
         raise CheckpointError(f"--resume {path}: a DeepSpeed universal checkpoint; DeepSpeed reads it when its JSON "
                               f"says \"checkpoint\": {{\"load_universal\": true}} (a DeepSpeed config), or "
@@ -200,7 +205,7 @@ def _ds_file_dtypes(tmp: Path) -> dict[str, list[str]]:
     ZeRO-3 the model files hold no weights (the fp32 partitions and Adam's moments are in the optimizer files;
     the bf16 module copy is rebuilt from them on load)."""
     rank, d = dist.get_rank(), tmp / "ds" / "ds"
-    mine = [f for f in d.glob("*.pt") if f"rank_{rank}_" in f.name] or sorted(d.glob("mp_rank_00_model_states.pt"))
+    mine = [f for f in d.glob("*.pt") if f"rank_{rank}_" in f.name]
     model = [f for f in mine if f.name.endswith("model_states.pt")] or sorted(d.glob("mp_rank_00_model_states.pt"))
     optim = [f for f in mine if f.name.endswith("optim_states.pt")]
     model_sd = [safeload.load(f, "deepspeed", mmap=True) for f in model]
@@ -362,8 +367,7 @@ def check_args(args, job, world_size: int) -> dict | None:
         raise CheckpointError(f"--checkpoint-dir {d}: give --checkpoint-every K too (save every K steps)")
     if d and Path(d).exists() and not Path(d).is_dir():
         raise CheckpointError(f"--checkpoint-dir {d}: is a file, not a directory")
-    if job.backend == "deepspeed" and ((job.deepspeed.json or {}).get("checkpoint") or {}).get("load_universal") \
-            and not args.resume:
+    if asks_universal(job) and not args.resume:
         job.notes.append("checkpoint.load_universal = true: no effect without --resume (it says how to read the "
                          "checkpoint a job resumes from)")
     return check_resume(args.resume, job, world_size) if args.resume else None

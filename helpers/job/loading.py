@@ -30,6 +30,7 @@ whether every loaded value equals the file's, in its place (``mismatches``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -174,35 +175,28 @@ def mismatches(engine, path: str, dtype) -> list[str]:
     could not. Returns the names (the same list on every rank); empty when every value is where it should be."""
     from safetensors import safe_open
 
-    files = sorted(Path(path).glob("*.safetensors"))
-    where = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            where.update(dict.fromkeys(fh.keys(), f))
-    names = [n for n, _ in engine.module.named_parameters()]
-    bad = torch.zeros(len(names), dtype=torch.float64)
-    for i, (name, p) in enumerate(engine.module.named_parameters()):
-        if name not in where:
-            bad[i] = 1
-            continue
-        with safe_open(str(where[name]), framework="pt") as fh:
-            ref = fh.get_tensor(name).to(dtype)
-        local, start = _local_piece(p)
-        local = local.detach().cpu()
-        if isinstance(start, int):
-            ref = ref.reshape(-1)[start:start + local.numel()]
-        elif start:
-            ref = ref[tuple(slice(o, o + n) for o, n in zip(start, local.shape, strict=True))]
-        same = ref.shape == local.shape and torch.equal(ref.to(local.dtype), local)
-        bad[i] = 0 if same else 1
+    params = list(engine.module.named_parameters())
+    bad = torch.zeros(len(params), dtype=torch.float64)
+    with contextlib.ExitStack() as stack:  # each file opened once (memory-mapped), read one tensor at a time
+        where = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            fh = stack.enter_context(safe_open(str(f), framework="pt"))
+            where.update(dict.fromkeys(fh.keys(), fh))
+        for i, (name, p) in enumerate(params):
+            bad[i] = name not in where or not _piece_matches(p, where[name].get_tensor(name).to(dtype))
     bad = comm.all_reduce(bad)  # a CPU tensor: nccl serves only GPU tensors
-    return [n for n, b in zip(names, bad.tolist(), strict=True) if b]
+    return [n for (n, _), b in zip(params, bad.tolist(), strict=True) if b]
 
 
-def weights_match(engine, spec, dtype) -> bool:
-    """Every loaded (and upcast, if mixed precision did) value equals the file's, rounded to the load dtype,
-    in its place on its rank (``mismatches``)."""
-    return not mismatches(engine, spec.path, dtype)
+def _piece_matches(p, ref: torch.Tensor) -> bool:
+    """This rank's piece of ``p`` equals the same slice of the whole tensor ``ref``."""
+    local, start = _local_piece(p)
+    local = local.detach().cpu()
+    if isinstance(start, int):
+        ref = ref.reshape(-1)[start:start + local.numel()]
+    elif start:
+        ref = ref[tuple(slice(o, o + n) for o, n in zip(start, local.shape, strict=True))]
+    return ref.shape == local.shape and torch.equal(ref.to(local.dtype), local)
 
 
 def save_preset(preset: str, path: str, seed: int = 0) -> None:

@@ -48,13 +48,14 @@ QUICK = dict(modes=[k for k, m in MODES.items() if m.min_world_size <= 2], model
 FULL = dict(modes=list(MODES), models=["tiny", "small", "medium"], ranks=[1, 2, 4], micro_batches=[2, 8])
 
 
-def run_job(config: str, out: Path, ranks: int, model: str, micro_batch: int, seq_len: int, reuse: bool) -> dict:
+def run_job(config: str, out: Path, ranks: int, model: str, micro_batch: int, seq_len: int, reuse: bool,
+            peft: str | None = None) -> dict:
     summary = out / "summary.json"
     if reuse and summary.is_file() and json.loads(summary.read_text()).get("status") == "completed":
         return json.loads(summary.read_text())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            "-m", "helpers.train", "--config", config, "--out", str(out), "--model", model, "--steps", "3",
-           "--micro-batch", str(micro_batch), "--seq-len", str(seq_len)]
+           "--micro-batch", str(micro_batch), "--seq-len", str(seq_len), *(["--peft", peft] if peft else [])]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
@@ -62,16 +63,17 @@ def run_job(config: str, out: Path, ranks: int, model: str, micro_batch: int, se
 
 
 def measure(mode: str, model: str, ranks: int, micro_batch: int, seq_len: int, runs: Path, reuse: bool,
-            repeat: bool) -> dict:
+            repeat: bool, peft: str | None = None) -> dict:
     """One row of measurements (what ``--out`` stores): the job's peak per rank, and its repeat's."""
     name = f"{mode}_{model}_{ranks}r_b{micro_batch}"
-    s = run_job(MODES[mode].config, runs / name, ranks, model, micro_batch, seq_len, reuse)
+    s = run_job(MODES[mode].config, runs / name, ranks, model, micro_batch, seq_len, reuse, peft)
     row = {"mode": mode, "model": model, "world_size": ranks, "micro_batch": micro_batch, "seq_len": seq_len,
            "measured": s["peak_tensor_bytes"], "measured_state": [sum(m.values()) for m in s["memory_bytes"]],
            "measured_activations": s["activation_bytes_per_sample"] * micro_batch,
-           "device": f"{s['device']} ({s['dist_backend']})", "versions": s["versions"]}
+           "device": f"{s['device']} ({s['dist_backend']})", "versions": s["versions"],
+           **({"peft": peft} if peft else {})}
     if repeat and abs(est.against(row)["error"]) > 0.10:
-        again = run_job(MODES[mode].config, runs / f"{name}_repeat", ranks, model, micro_batch, seq_len, reuse)
+        again = run_job(MODES[mode].config, runs / f"{name}_repeat", ranks, model, micro_batch, seq_len, reuse, peft)
         row["measured_repeat"] = again["peak_tensor_bytes"]
     return row
 
@@ -120,6 +122,9 @@ def main() -> int:
     ap.add_argument("--ranks", nargs="+", type=int)
     ap.add_argument("--micro-batches", nargs="+", type=int)
     ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--peft", help="a LoRA config: every job fine-tunes it (helpers.train --peft), every estimate "
+                    "takes it (benchmarks/estimate_grid_lora.json: --modes full_shard shard_grad_op zero2 zero3 "
+                    "--models tiny small --ranks 1 2 --micro-batches 2 --peft launch_configs/peft/lora.json)")
     ap.add_argument("--out", help="JSON file to write")
     ap.add_argument("--runs", help="directory for the run directories (default: next to --out)")
     ap.add_argument("--reuse", action="store_true", help="keep completed run directories instead of rerunning")
@@ -148,7 +153,7 @@ def main() -> int:
                 if MODES[mode].min_world_size > ranks:
                     continue
                 for b in grid["micro_batches"]:
-                    rows.append(measure(mode, model, ranks, b, a.seq_len, runs, a.reuse, a.repeat))
+                    rows.append(measure(mode, model, ranks, b, a.seq_len, runs, a.reuse, a.repeat, a.peft))
                     print(table([score(rows[-1])]).splitlines()[1], flush=True)
     if a.append and out.is_file():
         new = {key(r) for r in rows}

@@ -70,6 +70,7 @@ class Comparison:
     length: tuple[int, int] | None = None  # (steps in A, steps in B) when they differ
     tensor: TensorDiff | None = None  # first differing tensor, when both runs have traces
     traced: tuple[bool, bool] = (False, False)
+    untraced: int = 0  # parameters without a gradient (a frozen base): their tensors are not in the traces
 
     @property
     def identical(self) -> bool:
@@ -87,7 +88,9 @@ class Comparison:
         if self.tensor is not None:
             lines.append(self.tensor.line())
         elif all(self.traced):
-            lines.append("tensor traces: every weight, gradient and update identical")
+            lines.append("tensor traces: every weight, gradient and update identical" if not self.untraced else
+                         f"tensor traces: every traced weight, gradient and update identical ({self.untraced} "
+                         "parameters without a gradient are not traced)")
         else:
             missing = " and ".join(str(p) for p, t in zip((self.a, self.b), self.traced, strict=True) if not t)
             lines.append(f"no tensor trace in {missing}: run both jobs with --trace-tensors to name the tensor")
@@ -166,7 +169,16 @@ def compare(a: str | Path, b: str | Path) -> Comparison:
     out.traced = ((a / TRACE_FILE).is_file(), (b / TRACE_FILE).is_file())
     if all(out.traced):
         out.tensor = first_tensor_diff(a, b, common)
+        first = _read_jsonl(a / TRACE_FILE, TRACE_FILE)[0]["params"]
+        out.untraced = sum(rec["weight"][1] is None for rec in first.values())
     return out
+
+
+def differing(a: str | Path, b: str | Path, step: int, stage: str) -> list[str]:
+    """The parameters whose ``stage`` fingerprint differs at ``step`` in the two runs' traces, in order."""
+    ta = {r["step"]: r["params"] for r in _read_jsonl(Path(a) / TRACE_FILE, TRACE_FILE)}[step]
+    tb = {r["step"]: r["params"] for r in _read_jsonl(Path(b) / TRACE_FILE, TRACE_FILE)}[step]
+    return [n for n in ta if n in tb and ta[n][stage][0] != tb[n][stage][0]]
 
 
 def main(argv=None) -> int:

@@ -99,6 +99,7 @@ from helpers.core.footprint import (
     _shard_group,
     _zero,
     activation_bytes,
+    activation_ratio,
     block_per_token,
     compute_bytes,
     cublas_workspace_bytes,
@@ -143,13 +144,16 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
     """
     key, c = mapping.mode_key(job), compute_bytes(job)
     zo = _zero(job)
-    acts = activation_bytes(shapes.cfg, micro_batch, seq_len, c)
+    ratio = activation_ratio(shapes, micro_batch, seq_len, c)  # --peft: a frozen base saves less (1.0 otherwise)
+    acts = int(ratio * activation_bytes(shapes.cfg, micro_batch, seq_len, c))
     acts_ckpt = activation_bytes(shapes.cfg, micro_batch, seq_len, c, checkpointed=True)
     unit = max(shapes.units)
+    unit_t = shapes.unit_trainable(shapes.units.index(unit))  # its trainable elements: the ones with gradients
+    trained = shapes.trainable_numel
     if key == "shard_grad_op":
-        gathered = c * (shapes.numel + unit)
+        gathered = c * (shapes.numel + unit_t)
     elif key in ("full_shard", "hybrid_shard", "no_shard") or key.startswith("zero3"):
-        gathered = 2 * c * unit
+        gathered = c * (unit + unit_t)
     else:
         gathered = 0
     buckets = master_grads = 0
@@ -161,14 +165,14 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         copies = 2 if stage < 3 and zo.get("overlap_comm", False) else 1
         buckets = copies * int(float(zo.get("reduce_bucket_size", 5e8))) * grad_bytes
     if stage == 0 and job.mixed_precision == "bf16":
-        master_grads = 4 * shapes.numel  # the fp32 master's gradients (at the step; see the module doc)
+        master_grads = 4 * trained  # the fp32 master's gradients (at the step; see the module doc)
     step_temp = 0 if "optimizer_states" in offloaded(key, job) else optimizer_temporary(job, shapes, world_size)
     tokens_v = micro_batch * seq_len * shapes.cfg.vocab_size
     held = c * zero3_kept_gathered(job, shapes, world_size)
     rs_copies, largest_param = 0, max(math.prod(s) for s in shapes.params)
     if held:  # ZeRO-3 across ranks: the bucket's reduce-scatter copies (see the module doc)
         copies = 1 if device == "cuda" else 2
-        rs_copies = copies * grad_bytes * min(shapes.numel, int(float(zo.get("reduce_bucket_size", 5e8))))
+        rs_copies = copies * grad_bytes * min(trained, int(float(zo.get("reduce_bucket_size", 5e8))))
     extra = {"activations": acts, "activations_checkpointed": acts_ckpt, "gathered_unit": gathered,
              "gathered_at_backward": held, "reduce_scatter_copies": rs_copies,
              "optimizer_step": step_temp, "comm_buckets": buckets, "master_grads": master_grads,
@@ -186,11 +190,12 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         grads = 0 if grads_between_steps else row["grads"]
         if stage in (1, 2):  # the bucket is made at the first gradient, once the loss and the head are done
             head = head_per_token(shapes.cfg, c) * micro_batch * seq_len
-            first_grad = c * tokens_v + c * shapes.cfg.vocab_size * shapes.cfg.hidden_size  # d logits, d lm_head
+            head_w = 0 if shapes.peft else c * shapes.cfg.vocab_size * shapes.cfg.hidden_size  # frozen: no d lm_head
+            first_grad = c * tokens_v + head_w  # d logits, d lm_head
             backward = max(at_rest - grads - buckets + used, at_rest - grads + used - head + first_grad)
         else:  # NO_SHARD: the output layer's gradient is alive with the loss's (measured; sharded modes: later)
             head_grad = grads * shapes.cfg.vocab_size * shapes.cfg.hidden_size // shapes.numel
-            head_grad = head_grad if key == "no_shard" else 0
+            head_grad = head_grad if key == "no_shard" and not shapes.peft else 0
             start = used + extra["loss_transient"] + head_grad
             if checkpointing(job):  # the loss's backward and a block's recompute come one after the other
                 tokens = micro_batch * seq_len
@@ -198,12 +203,16 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
                 start = max(start, acts_ckpt - head_per_token(shapes.cfg, c) * tokens)
             backward = at_rest - grads - master_grads + start  # ZeRO-0's fp32 gradients: made at the step
             if key in ("full_shard", "hybrid_shard"):  # the root unit's gradients come after the loss's backward
-                backward -= c * unit
+                backward -= c * unit_t
+                if shapes.peft:  # a LoRA job peaks here: of the units only the tail (norm, head) is still gathered,
+                    # and across ranks its all-gather buffer is alive next to its copy (benchmarks/peak_alive.py,
+                    # small on 1 and 2 ranks)
+                    backward -= c * (unit - shapes.tail * (1 + (_shard_group(job, key, world_size) > 1)))
             if held:  # ZeRO-3 across ranks: forward's gathered parameters, in the gathered unit's place
                 backward += held - gathered
         if job.backend == "fsdp":  # the root (largest) unit reduce-scatters last; every unit is resharded after it
             group = _shard_group(job, key, world_size)
-            end = state_bytes + (2 + (group > 1)) * c * unit
+            end = state_bytes + c * unit + (1 + (group > 1)) * c * unit_t
             step = state_bytes + (c * unit if key == "no_shard" else 0) + step_temp
         else:
             step = at_rest - gathered + step_temp
@@ -211,7 +220,8 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         peaks.append(max(backward, end, step) + extra["cublas_workspace"])  # allocated at the first matmul, kept
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
-            "num_params": shapes.numel, "activation_checkpointing": checkpointing(job),
+            "num_params": shapes.numel, "trainable_params": trained, "activation_ratio": ratio,
+            "activation_checkpointing": checkpointing(job),
             "categories_per_rank": ranks, "peak_bytes_per_rank": peaks}
 
 
@@ -258,6 +268,8 @@ def parse_args(argv=None):
                     "largest micro-batch that fits")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the job runs: cpu (gloo, the "
                     "default) or cuda (nccl: one reduce-scatter copy fewer under ZeRO-3)")
+    ap.add_argument("--peft", help="a LoRA config (as helpers.train --peft takes it): the base frozen, the adapter "
+                    "trained")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     return ap.parse_args(argv)
 
@@ -271,7 +283,14 @@ def run(args) -> dict:
     job = load_job_config(args.config, overrides, world_size=args.world_size)
     if job.train.seq_len < 2:
         raise ConfigError(f"--seq-len = {job.train.seq_len}: must be >= 2")
-    shapes = model_shapes(job.train.model, job.fsdp.auto_wrap_policy if job.fsdp else "TRANSFORMER_BASED_WRAP")
+    peft = None
+    if getattr(args, "peft", None):
+        from helpers.core.models import resolve_model
+        from helpers.job.lora import check_applies, read_config
+
+        peft = read_config(args.peft)
+        check_applies(peft, resolve_model(job.train.model), job, args.peft)
+    shapes = model_shapes(job.train.model, job.fsdp.auto_wrap_policy if job.fsdp else "TRANSFORMER_BASED_WRAP", peft)
     if job.backend == "deepspeed":
         resolved, _ = resolve_job(job, args.world_size)
         job.deepspeed.json = resolved["deepspeed"]["json"]
@@ -299,7 +318,8 @@ def errors(predicted: list[float], measured: list[float]) -> dict:
 
 def against(row: dict) -> dict:
     """The estimate for a measured run of a shipped mode, next to it: ``row`` has ``mode`` (a key of
-    ``helpers.core.mapping.MODES``), ``model``, ``world_size``, ``micro_batch``, ``seq_len`` and ``measured``
+    ``helpers.core.mapping.MODES``), ``model``, ``world_size``, ``micro_batch``, ``seq_len``, ``measured``
+    and, for a LoRA job, ``peft`` (its config, relative to the repo)
     (``peak_tensor_bytes``, one per rank), and may have ``measured_repeat`` (the same job run again).
     Returns the prediction per rank, its comm buckets, ``errors`` (of the repeat too: ``error_repeat``,
     ``error_of_the_largest_repeat``) and ``error_without_buckets``, the worst rank's ``(predicted - measured)
@@ -308,7 +328,8 @@ def against(row: dict) -> dict:
     notebook 08 re-scores the grid's stored measurements with the estimator of the day."""
     config = CHECKOUT / mapping.MODES[row["mode"]].config
     e = run(argparse.Namespace(config=str(config), model=row["model"], world_size=row["world_size"],
-                               micro_batch=row["micro_batch"], seq_len=row["seq_len"], budget_gib=None))
+                               micro_batch=row["micro_batch"], seq_len=row["seq_len"], budget_gib=None,
+                               peft=str(CHECKOUT / row["peft"]) if row.get("peft") else None))
     predicted, buckets = e["peak_bytes_per_rank"], [c["comm_buckets"] for c in e["categories_per_rank"]]
     rest = max(((p - m) / (m - b) for p, m, b in zip(predicted, row["measured"], buckets, strict=True)), key=abs)
     return {"predicted": predicted, "comm_buckets": buckets, "error_without_buckets": rest,

@@ -76,30 +76,118 @@ class Shapes:
     params: list[tuple[int, ...]]  # every parameter's shape
     units: list[int]  # elements per FSDP unit (each block, then the rest)
     cfg: object  # the transformers config
+    trainable: list[bool] | None = None  # per parameter (--peft: the adapter's); None: every one trains
+    units_trainable: list[int] | None = None  # trainable elements per unit, as ``units``
+    peft: object = None  # the LoraConfig, or None
+    tail: int = 0  # elements of FSDP's tail unit (final norm, output embedding, and the input one when tied)
+    _ratio: dict = None  # (micro_batch, seq_len) -> activation_ratio, computed once each
 
     @property
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.params)
 
+    def trains(self, i: int) -> bool:
+        return self.trainable is None or self.trainable[i]
 
-def model_shapes(model: str, wrap: str = "TRANSFORMER_BASED_WRAP") -> Shapes:
-    """Parameter shapes and FSDP units of ``--model``, built on the meta device."""
+    @property
+    def trainable_numel(self) -> int:
+        return sum(math.prod(s) for i, s in enumerate(self.params) if self.trains(i))
+
+    def unit_trainable(self, i: int) -> int:
+        return self.units[i] if self.units_trainable is None else self.units_trainable[i]
+
+
+def _meta_model(cfg, peft=None):
     import torch
     from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(cfg)
+    if peft is not None:
+        from helpers.core.models import add_adapter
+
+        add_adapter(m, peft, seed=0)
+    return m
+
+
+def model_shapes(model: str, wrap: str = "TRANSFORMER_BASED_WRAP", peft=None) -> Shapes:
+    """Parameter shapes and FSDP units of ``--model``, built on the meta device; ``peft`` (a LoraConfig): with
+    the adapter injected, and which parameters train."""
     from helpers.core.models import ModelSpecError, decoder_layers, model_config, resolve_model
 
     try:
         cfg = model_config(resolve_model(model))
     except ModelSpecError as e:
         raise EstimateError(str(e)) from None
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(cfg)
+    m = _meta_model(cfg, peft)
     shapes = [tuple(p.shape) for p in m.parameters()]
+    trainable = [p.requires_grad for p in m.parameters()]
     blocks = [sum(p.numel() for p in b.parameters()) for b in decoder_layers(m)]
+    blocks_t = [sum(p.numel() for p in b.parameters() if p.requires_grad) for b in decoder_layers(m)]
     total = sum(math.prod(s) for s in shapes)
+    total_t = sum(math.prod(s) for s, t in zip(shapes, trainable, strict=True) if t)
     units = [total] if wrap == "NO_WRAP" else [*blocks, total - sum(blocks)]
-    return Shapes(shapes, units, cfg)
+    units_t = [total_t] if wrap == "NO_WRAP" else [*blocks_t, total_t - sum(blocks_t)]
+    from helpers.core.internals import final_norm
+
+    tail_mods = [final_norm(m), m.get_output_embeddings()]
+    if getattr(tail_mods[1], "weight", None) is getattr(m.get_input_embeddings(), "weight", 0):
+        tail_mods.append(m.get_input_embeddings())
+    tail = sum(p.numel() for p in {id(p): p for t in tail_mods if t is not None for p in t.parameters()}.values())
+    if peft is None:
+        return Shapes(shapes, units, cfg, tail=tail)
+    return Shapes(shapes, units, cfg, trainable, units_t, peft, tail=tail, _ratio={})
+
+
+def saved_bytes(cfg, peft, micro_batch: int, seq_len: int, dtype=None) -> int:
+    """Bytes autograd saves in one forward of the model (with ``peft``'s adapter, its base frozen), traced with
+    fake tensors: every op runs its CPU kernel's shape logic, nothing is computed or allocated, each storage
+    counted once. (On the meta device transformers' mask code would ask for a value; under FakeTensorMode it
+    skips that check, as it does when compiled.)"""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    m = _meta_model(cfg, peft)
+    m.config.use_cache = False
+    dtype = dtype or torch.bfloat16
+    seen, total = set(), 0
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for mod in m.modules():
+            for k, p in list(mod._parameters.items()):
+                if p is not None:
+                    mod._parameters[k] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype), p.requires_grad)
+            for k, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[k] = torch.empty(b.shape, dtype=b.dtype)
+        held = {p.untyped_storage()._cdata for p in m.parameters()}
+
+        def pack(t):
+            nonlocal total
+            key = t.untyped_storage()._cdata
+            if key not in seen and key not in held:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(input_ids=ids, labels=ids)
+    return total
+
+
+def activation_ratio(shapes: Shapes, micro_batch: int, seq_len: int, c: int = 2) -> float:
+    """What a frozen base saves of the activations a full fine-tune saves (1.0 without --peft): a frozen layer's
+    input is not kept for a weight gradient, and nothing before the first adapter needs a gradient at all.
+    Traced (``saved_bytes``) for both, in the compute dtype (``c`` bytes); the activation formula is scaled by it."""
+    if shapes.peft is None:
+        return 1.0
+    import torch
+
+    key, dtype = (micro_batch, seq_len, c), torch.bfloat16 if c == 2 else torch.float32
+    if key not in shapes._ratio:
+        full = saved_bytes(shapes.cfg, None, micro_batch, seq_len, dtype)
+        shapes._ratio[key] = saved_bytes(shapes.cfg, shapes.peft, micro_batch, seq_len, dtype) / full
+    return shapes._ratio[key]
 
 
 def _dims(cfg) -> tuple[int, int, int, int, int, int, int]:
@@ -162,8 +250,8 @@ def _shard_group(job, key: str, world_size: int) -> int:
 
 def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float]]:
     """params, grads, optimizer_states, master_params of each rank (see helpers.estimate's module doc)."""
-    theory = mapping.job_theory_bytes(job, shapes.numel, world_size)
-    n_tensors = len(shapes.params)
+    theory = mapping.job_theory_bytes(job, shapes.numel, world_size, shapes.trainable_numel)
+    n_tensors = sum(shapes.trains(i) for i in range(len(shapes.params)))  # Adam's step counters: trained ones
     key = mapping.mode_key(job)
     if job.backend == "deepspeed":
         out = dict(theory)
@@ -172,20 +260,25 @@ def state_per_rank(job, shapes: Shapes, world_size: int) -> list[dict[str, float
             threshold = persistence_threshold(_zero(job))
             whole = sum(math.prod(s) for s in shapes.params if is_persistent(math.prod(s), threshold))
             per = 2 if job.mixed_precision == "bf16" else 4
-            out["params"] += per * whole * (1 - 1 / world_size)
+            if world_size > 1:  # a persistent parameter: whole in the module, and its partition apart (one rank: one)
+                out["params"] += per * whole
         return [out] * world_size
     group = _shard_group(job, key, world_size)
     per = mapping.bytes_per_param("fsdp", job.mixed_precision, 4 if job.train.model_dtype == "fp32" else 2)
+    frozen_per = mapping.frozen_param_bytes(job)
     ranks = []
     for r in range(world_size):
         g = r % group
-        stored = local = 0
-        for s in shapes.params:
+        stored = local = frozen = 0
+        for i, s in enumerate(shapes.params):
             rows, rest = (s[0], math.prod(s[1:])) if s else (1, 1)
             chunk = -(-rows // group)
+            if not shapes.trains(i):
+                frozen += chunk * rest
+                continue
             stored += chunk * rest
             local += max(0, min(chunk, rows - g * chunk)) * rest
-        ranks.append({"params": per["params"] * stored, "grads": per["grads"] * stored,
+        ranks.append({"params": per["params"] * stored + frozen_per * frozen, "grads": per["grads"] * stored,
                       "optimizer_states": per["optimizer_states"] * local + 4 * n_tensors, "master_params": 0})
     return ranks
 
@@ -220,14 +313,15 @@ def optimizer_temporary(job, shapes: Shapes, world_size: int) -> int:
     on one rank, same benchmark)."""
     key = mapping.mode_key(job)
     fp32 = 4 if job.mixed_precision == "bf16" or job.train.model_dtype == "fp32" else 2
-    largest = max(math.prod(s) for s in shapes.params)
+    trained = [s for i, s in enumerate(shapes.params) if shapes.trains(i)]
+    largest = max(math.prod(s) for s in trained)
     if job.backend == "fsdp":
         group = _shard_group(job, key, world_size)
-        return 2 * fp32 * max(-(-s[0] // group) * math.prod(s[1:]) if s else 1 for s in shapes.params)
+        return 2 * fp32 * max(-(-s[0] // group) * math.prod(s[1:]) if s else 1 for s in trained)
     stage = int(_zero(job).get("stage", 0))
     if stage == 0:
         return 2 * 4 * largest
-    return (3 if stage == 3 else 1) * 4 * -(-shapes.numel // world_size)
+    return (3 if stage == 3 else 1) * 4 * -(-shapes.trainable_numel // world_size)
 
 
 def compute_bytes(job) -> int:

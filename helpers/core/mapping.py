@@ -106,7 +106,36 @@ def theory_bytes(mode: Mode, num_params: int, world_size: int, mixed_precision: 
     return out
 
 
-def job_theory_bytes(job, num_params: int, world_size: int) -> dict[str, float]:
+def job_theory_bytes(job, num_params: int, world_size: int, trainable: int | None = None) -> dict[str, float]:
+    """``theory_bytes`` for a JobConfig (``job_theory_split``'s two parts added up)."""
+    split = job_theory_split(job, num_params, world_size, trainable)
+    return {cat: split["trainable"][cat] + split["frozen"][cat] for cat in CATEGORIES}
+
+
+def frozen_param_bytes(job) -> int:
+    """Bytes per element of a frozen parameter once wrapped: FSDP keeps it as loaded (Accelerate upcasts only
+    trainable ones), DeepSpeed casts every parameter to bf16 when bf16 is on."""
+    loaded = 4 if job.train.model_dtype == "fp32" else 2
+    if job.backend == "fsdp":
+        return loaded
+    return 2 if job.mixed_precision == "bf16" else 4
+
+
+def job_theory_split(job, num_params: int, world_size: int, trainable: int | None = None) -> dict[str, dict]:
+    """Per-rank bytes of the trainable parameters (``trainable`` of ``num_params``; all when None) and of the
+    frozen rest: a frozen parameter has no gradient, no optimizer state and no master copy, only its weight,
+    sharded where the mode shards parameters (``frozen_param_bytes`` each)."""
+    trainable = num_params if trainable is None else trainable
+    frozen = dict.fromkeys(CATEGORIES, 0.0)
+    group = world_size
+    if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):
+        group = job.fsdp.hybrid_shard_size
+    mode = MODES[mode_key(job)]
+    frozen["params"] = frozen_param_bytes(job) * (num_params - trainable) / (group if "params" in mode.sharded else 1)
+    return {"trainable": _job_theory(job, trainable, world_size), "frozen": frozen}
+
+
+def _job_theory(job, num_params: int, world_size: int) -> dict[str, float]:
     """``theory_bytes`` for a JobConfig: its mode, hybrid / hpZ groups, gradient and model dtypes."""
     shard_group = secondary = grad_bytes = None
     if job.backend == "fsdp" and job.fsdp.sharding.startswith("HYBRID"):

@@ -122,6 +122,16 @@ SUMMARY_KEYS = {
     "optimizer_impl": "how the optimizer stepped, read from it: for-loop (the default, --optimizer-impl; the "
                       "mode FSDP/DeepSpeed parity holds in), foreach or fused (fewer kernels, for throughput; "
                       "parity not promised), torch-default (a DeepSpeed JSON optimizer: torch picks), null",
+    "memory_split_bytes": "per rank (list): the state of memory_bytes' probe split into trainable and frozen, "
+                          "each {params, grads, optimizer_states, master_params} in bytes (frozen: weights only; "
+                          "all zeros without --peft; helpers.job.observe.memory.state_split)",
+    "memory_theory_split_bytes": "the ZeRO model's per-rank bytes, trainable and frozen (helpers.core.mapping."
+                                 "job_theory_split): a frozen parameter holds only its weight",
+    "peft": "--peft (LoRA): trainable_params and frozen_params (elements, before wrapping) and the LoraConfig as "
+            "PEFT writes it (config); null without --peft (helpers.job.lora)",
+    "audit": "the post-wrap audit (helpers.job.audit): passed, parameters, numel, trainable_numel, tied (the "
+             "names that are one parameter, still one after wrapping) and dtypes (parameters per stored dtype, "
+             "each the one the config asks for); null when the job failed before wrapping ended",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
                                 "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
                                 "gradient_checkpointing (2 blocks)\" (helpers.job.recompute)",
@@ -136,7 +146,8 @@ SUMMARY_KEYS = {
     "versions": "torch, deepspeed, transformers versions",
     "checkpoints": "checkpoints this job saved (list): step, path, format (sharded | full | deepspeed), "
                    "seconds (rank 0, barrier to barrier), bytes on disk, saved_dtypes, seconds_16bit (DeepSpeed "
-                   "save_16bit_model, or null) (helpers.job.checkpoint)",
+                   "save_16bit_model, or null); with --peft also adapter (and with --save-naive-adapter "
+                   "adapter_naive): tensors, numel and empty, what was written (helpers.job.checkpoint)",
     "resumed_from": "null, or the checkpoint the job started from: path, step, format, backend",
     "loading": "null (random init), or for --model DIR: method (naive | fsdp_ram_efficient | zero3_init), "
                "path, ranks (per rank: seconds, peak_rss_anon_bytes and peak_rss_file_bytes above the "

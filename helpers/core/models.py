@@ -140,6 +140,18 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, seed: int, device: str | to
     return model.to(device)
 
 
+def add_adapter(model, peft, seed: int):
+    """Inject ``peft``'s LoRA adapter in place (PEFT's ``inject_adapter_in_model``: the base frozen, the adapter in
+    the dtype of the layer it adapts), its initialisation seeded from ``seed`` (helpers.job.lora's module doc)."""
+    import copy
+
+    from peft import inject_adapter_in_model
+
+    torch.manual_seed(seed + 1)  # the adapter's init: the same on every rank, for both backends
+    inject_adapter_in_model(copy.deepcopy(peft), model)
+    return model
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The repeated transformer blocks (the unit FSDP shards and gathers)."""
     for path in ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers"):

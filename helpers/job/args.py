@@ -62,6 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace-tensors", action="store_true", help="exact fingerprint of every parameter's weight, "
                     "gradient (before and after reduction) and update per step into DIR/tensor_trace.jsonl "
                     "(helpers.job.observe.tensor_trace; python -m helpers.compare reads it)")
+    ap.add_argument("--peft", help="LoRA fine-tuning: a LoRA config as PEFT writes it (adapter_config.json, a "
+                    "directory holding one, or a JSON file with its keys); the base is frozen, only the adapter "
+                    "trains, and checkpoints also hold it in PEFT's format (helpers.job.lora)")
+    ap.add_argument("--save-naive-adapter", action="store_true", help="with --peft and --checkpoint-dir: also "
+                    "write DIR/step_K/adapter_naive/, what a plain save on rank 0 writes without gathering "
+                    "(empty tensors under ZeRO-3, rank 0's shard under FSDP): the trap, shown")
     ap.add_argument("--checkpoint-dir", help="save checkpoints to DIR/step_K (see helpers.job.checkpoint)")
     ap.add_argument("--checkpoint-every", type=int, help="save every K steps (needs --checkpoint-dir)")
     ap.add_argument("--resume", help="checkpoint DIR/step_K to continue from; --steps stays the total")

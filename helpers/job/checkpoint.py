@@ -218,8 +218,11 @@ def _ds_file_dtypes(tmp: Path) -> dict[str, list[str]]:
     return out
 
 
-def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=None) -> dict:
-    """Every rank: write ``ckpt_dir/step_{step}`` atomically. Returns a record (rank 0's view)."""
+def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=None, peft=None,
+         naive_adapter: bool = False) -> dict:
+    """Every rank: write ``ckpt_dir/step_{step}`` atomically. Returns a record (rank 0's view). ``peft`` (the
+    job's LoraConfig): also ``adapter/`` in PEFT's format, gathered (helpers.job.lora.export), outside the
+    timed save; ``naive_adapter``: and ``adapter_naive/``, what a plain save on rank 0 writes."""
     rank = dist.get_rank()
     final = Path(ckpt_dir) / f"step_{step}"
     tmp = Path(ckpt_dir) / f".step_{step}.tmp"
@@ -245,7 +248,14 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
     seconds = time.perf_counter() - t0
     if fmt == "deepspeed" and rank == 0:  # rank 0's files read back, outside the save time, before it renames
         dtypes.update(_ds_file_dtypes(tmp))
-    meta = {"format": fmt, "step": step, "backend": job.backend, "world_size": dist.get_world_size(),
+    adapter = {}
+    if peft is not None:
+        from helpers.job import lora
+
+        adapter["adapter"] = lora.export(engine, peft, tmp / "adapter", job.train.model, rank)
+        if naive_adapter and rank == 0:
+            adapter["adapter_naive"] = lora.naive_export(engine, peft, tmp / "adapter_naive", job.train.model, rank)
+    meta = {**adapter, "format": fmt, "step": step, "backend": job.backend, "world_size": dist.get_world_size(),
             "mixed_precision": job.mixed_precision, "model": job.train.model, "seed": job.train.seed,
             "saved_dtypes": dtypes, "save_seconds": seconds, **meta_extra}
     if rank == 0:
@@ -254,7 +264,7 @@ def save(engine, job, ckpt_dir: str, step: int, meta_extra: dict, fault_hook=Non
         os.replace(tmp, final)
     dist.barrier()
     return {"step": step, "path": str(final), "format": fmt, "seconds": seconds,
-            "bytes": meta.get("bytes"), "saved_dtypes": dtypes, "seconds_16bit": seconds_16bit}
+            "bytes": meta.get("bytes"), "saved_dtypes": dtypes, "seconds_16bit": seconds_16bit, **adapter}
 
 
 def _save_state(engine, job, tmp: Path) -> tuple[str, dict]:

@@ -127,12 +127,16 @@ def validate(args: argparse.Namespace, refuse=fail_config) -> JobState:
         from helpers.job.checkpoint import check_args
 
         resume_meta = check_args(args, job, world_size)
+        from helpers.job.lora import check_args as check_peft
+
+        peft = check_peft(args, job, spec, resume_meta)  # --peft FILE: read, and tried on a meta copy
         if rank == 0:
             guard.claim()  # --out: not a file, not another job's, not someone's directory
     except ValueError as e:  # ConfigError, ModelSpecError, OutDirError, a bad GUIDE_FAIL_* test hook
         refuse(rank, str(e))
     return JobState(args, job, spec, rank, world_size, guard, RunDir(args.out, active=rank == 0), resolved,
-                    ds_filled, resume_meta)
+                    ds_filled, resume_meta, peft)
+
 
 
 def start(s: JobState) -> None:
@@ -223,7 +227,14 @@ def build(s: JobState) -> None:
         s.model = loading.zero3_model(s.spec, s.model_dtype, s.resolved["deepspeed"]["json"])
     else:
         s.model = build_model(s.spec, dtype=s.model_dtype, seed=s.job.train.seed)
+    if s.peft is not None:  # the adapter goes in before any wrapping; the base is frozen
+        from helpers.job.lora import attach
+
+        attach(s)
     s.summary["num_params"] = count_params(s.model)
+    from helpers.job.audit import snapshot
+
+    s.before_wrap = snapshot(s.model)  # what the post-wrap audit compares against
 
 
 def wrap(s: JobState) -> None:
@@ -240,6 +251,10 @@ def wrap(s: JobState) -> None:
         from helpers.job.loading import fsdp_fill
 
         fsdp_fill(s.engine, s.spec, s.model_dtype, s.device, offload=s.job.fsdp.offload_params)
+    from helpers.job.audit import audit, log_line
+
+    s.summary["audit"] = audit(s.engine.module, s.before_wrap, s.job, (s.resolved.get("deepspeed") or {}).get("json"))
+    s.run.log(log_line(s.summary["audit"]))
 
 
 def restore(s: JobState) -> None:

@@ -42,6 +42,7 @@ class JobState:
     resolved: dict  # the config as it runs (config.json)
     ds_filled: list[str]  # DeepSpeed "auto" values the job filled
     resume_meta: dict | None  # --resume: the checkpoint's meta.json
+    peft: object = None  # --peft: the LoraConfig (helpers.job.lora), or None
     # start
     device: torch.device | None = None
     observers: Observers | None = None
@@ -51,6 +52,8 @@ class JobState:
     records: list[dict] = field(default_factory=list)
     # build
     model: torch.nn.Module | None = None
+    # build (before wrap): what the post-wrap audit compares against (helpers.job.audit)
+    before_wrap: object = None
     # wrap
     engine: object = None  # FSDPEngine or DeepSpeedEngine (helpers.job.backends)
     resume_state: dict | None = None  # wrap, DeepSpeed --resume: state read before the backend; restore clears it
@@ -117,8 +120,8 @@ def base_summary(s: JobState) -> dict:
         "tokens_per_step": s.tokens_per_rank_step * s.world_size,
         "device": torch.cuda.get_device_name(s.device) if s.use_cuda else "cpu",
         "dist_backend": s.dist_backend, "versions": versions(), "resumed_from": None,
-        "activation_checkpointing": None, "optimizer_impl": None, "memory_budget_bytes": None,
-        "memory_budget_fits": None,
+        "peft": None, "audit": None, "activation_checkpointing": None, "optimizer_impl": None,
+        "memory_budget_bytes": None, "memory_budget_fits": None,
         "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
     }
 

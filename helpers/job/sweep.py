@@ -21,6 +21,7 @@ A config that starts and then fails ends the sweep as it ends a job (status 1, n
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import sys
@@ -98,13 +99,17 @@ def variants_main(argv=None) -> int:
             ready.append((cfg.stem, validate(parse_args(argv_job), refuse=_refuse)))
         except Refused as e:
             verdicts[cfg.stem] = {"verdict": "refused", "why": str(e)}
-    for i, (name, s) in enumerate(ready):
+    for i in range(len(ready)):
+        name, s = ready[i]
+        ready[i] = None  # this job's model and engine go once it ends: the next job's peaks are its own
         start(s)
         if s.rank == 0:
             print(f"{name}: starting", flush=True)  # a config that then fails is the last one named
         with contextlib.redirect_stdout(io.StringIO()):  # each job's lines are in its log.txt; errors still show
             run(s, join=i == 0, leave=i == len(ready) - 1)
         verdicts[name] = {"verdict": "trained", "losses": s.summary["losses"], "notes": s.job.notes}
+        del s
+        gc.collect()
     if env_int("RANK", 0) == 0:
         for name in sorted(verdicts):
             v = verdicts[name]

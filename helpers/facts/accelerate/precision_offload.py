@@ -31,6 +31,24 @@ def _upcast():
                       "param.data = param.data.to(torch.float32)")
 
 
+@fact("accelerate.fsdp2_upcasts_trainable_only",
+      "Under mixed precision Accelerate upcasts only the parameters that require a gradient: a frozen base (LoRA) "
+      "stays in the dtype it was loaded in, and FSDP2 shards it so.",
+      "accelerate", V, "utils/fsdp_utils.py: fsdp2_prepare_model")
+def _upcast_trainable():
+    return source_has("accelerate.utils.fsdp_utils.fsdp2_prepare_model",
+                      "if param.requires_grad and param.dtype != torch.float32:")
+
+
+@fact("accelerate.ds_auto_persistence_threshold",
+      "Accelerate fills a DeepSpeed config's stage3_param_persistence_threshold: \"auto\" with 10 x the model's "
+      "hidden size.",
+      "accelerate", V, "accelerator.py: Accelerator._prepare_deepspeed")
+def _auto_persistence():
+    return source_has("accelerate.accelerator.Accelerator._prepare_deepspeed",
+                      '"zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size')
+
+
 @fact("accelerate.fsdp_bf16_policy",
       "Accelerate's FSDP2 plugin with bf16 mixed precision computes and reduces gradients in bf16 "
       "(param_dtype = reduce_dtype = bf16).",

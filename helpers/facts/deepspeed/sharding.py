@@ -394,3 +394,4 @@ def _hpz_drop():
     post, ev = source_has(f"{s3}._post_step", "self.invalidate_secondary_tensor()")
     drop, ev2 = source_has(f"{s3}.invalidate_secondary_tensor", "param.ds_secondary_tensor = None")
     return post and drop, {**ev, "and": ev2.get("source has", ev2)}
+

@@ -30,6 +30,7 @@ from helpers import set_ds_accelerator
 from helpers.core.config import JobConfig, adamw_kwargs
 from helpers.core.internals import MUON_MODULE, import_without_compile
 from helpers.job import recompute
+from helpers.job.backends.fsdp import trainable
 
 
 def resolved_ds_config(job: JobConfig, world_size: int, hidden_size: int | None = None,
@@ -207,10 +208,10 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
     checkpointing = recompute.apply(model, job, device)  # the JSON's activation_checkpointing section
     _import_muon_eagerly(ds_config)
     if "optimizer" in ds_config:  # DeepSpeed builds optimizer (and scheduler) from the JSON
-        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=trainable(model),
                                                        config=ds_config)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(job.train))  # --optimizer-impl
+        optimizer = torch.optim.AdamW(trainable(model), **adamw_kwargs(job.train))  # --optimizer-impl
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if job.train.compile:
         engine.compile()  # torch.compile of the wrapped module (ZeRO-3's gathers stay out of dynamo; its other

@@ -62,7 +62,8 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
         # it: fully_shard then moves one unit at a time to the device and keeps only its shard there, instead of
         # the whole fp32 model on every rank's device first (4 bytes a parameter before any sharding)
         for p in model.parameters():
-            p.data = p.data.float()
+            if p.requires_grad:  # Accelerate's rule (fsdp2_prepare_model): a frozen parameter stays as loaded
+                p.data = p.data.float()
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     offload: OffloadPolicy = OffloadPolicy()
     if o.offload_params:
@@ -81,10 +82,16 @@ def apply_fsdp(model: torch.nn.Module, job: JobConfig, device: torch.device) -> 
     fully_shard(model, **kw)
     inner = [mods[0] for _, mods in forward_order(model, steps)]  # a list-unit's state is on its first module
     set_prefetch(model, inner, o)
-    optimizer = torch.optim.AdamW(model.parameters(), **adamw_kwargs(job.train))  # --optimizer-impl
+    optimizer = torch.optim.AdamW(trainable(model), **adamw_kwargs(job.train))  # --optimizer-impl
     engine = FSDPEngine(model, optimizer, mesh, job.train.grad_clip)
     engine.activation_checkpointing = checkpointing
     return engine
+
+
+def trainable(model: torch.nn.Module) -> list:
+    """The parameters the optimizer steps: those that require a gradient (all of them, unless --peft froze the
+    base), as transformers' Trainer hands them to its optimizer."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def set_prefetch(model, inner: list, o) -> None:

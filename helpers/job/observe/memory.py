@@ -65,12 +65,44 @@ def _ds_tensors(engine) -> dict[str, list]:
         params += [p.ds_secondary_tensor for p in module_params if getattr(p, "ds_secondary_tensor", None) is not None]
         return {"params": params, "grads": zero_grads(zopt),
                 "optimizer_states": states, "master_params": list(zero_flat_masters(zopt))}
-    if name == "DeepSpeedZeroOptimizer":  # stages 1 and 2
-        return {"params": zero12_flat_params(zopt), "grads": zero_grads(zopt), "optimizer_states": states,
+    if name == "DeepSpeedZeroOptimizer":  # stages 1 and 2; a frozen parameter is in no flat buffer: whole, apart
+        frozen = [p.data for p in module_params if not p.requires_grad]
+        return {"params": zero12_flat_params(zopt) + frozen, "grads": zero_grads(zopt), "optimizer_states": states,
                 "master_params": list(zero_flat_masters(zopt))}
     # ZeRO-0: with bf16 a full fp32 master next to the bf16 module
     return {"params": module_params, "grads": [p.grad for p in module_params if p.grad is not None],
             "optimizer_states": states, "master_params": zero0_masters(zopt) or []}
+
+
+def frozen_storages(engine) -> set[int]:
+    """Storages (data_ptr) holding frozen parameters on this rank: FSDP's shards, ZeRO-3's partitions (and
+    hpZ shards, and the whole ones it keeps), ZeRO-0/1/2's module parameters."""
+    out = set()
+    for p in engine.module.parameters():
+        if p.requires_grad:
+            continue
+        for t in (p, getattr(p, "ds_tensor", None), getattr(p, "ds_secondary_tensor", None)):
+            if torch.is_tensor(t) and _local(t).numel():
+                out.add(_local(t).untyped_storage().data_ptr())
+    return out
+
+
+def state_split(engine) -> dict[str, dict[str, int]]:
+    """``state_bytes`` split into what belongs to trainable parameters and to frozen ones (--peft); only weights
+    can be frozen: gradients, optimizer states and masters exist for trainable parameters only."""
+    groups = _fsdp_tensors(engine) if engine.backend == "fsdp" else _ds_tensors(engine)
+    frozen_ptrs, seen = frozen_storages(engine), set()
+    out = {"trainable": dict.fromkeys(CATEGORIES, 0), "frozen": dict.fromkeys(CATEGORIES, 0)}
+    for cat in CATEGORIES:
+        for t in groups[cat]:
+            if not torch.is_tensor(t) or _local(t).numel() == 0:
+                continue
+            storage = _local(t).untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            out["frozen" if storage.data_ptr() in frozen_ptrs else "trainable"][cat] += storage.nbytes()
+    return out
 
 
 def state_bytes(engine) -> dict[str, int]:
@@ -230,6 +262,7 @@ class StepProbe:
     def __init__(self, model: torch.nn.Module, locate=None):
         self.activations = SavedActivations(model)
         self.state: dict[str, int] | None = None
+        self.split: dict[str, dict[str, int]] | None = None  # state, trainable / frozen (state_split)
         self.locate, self.locations = locate, None  # locate(engine): see helpers.job.observe.offload
 
     def forward(self, micro_step: int):
@@ -237,6 +270,7 @@ class StepProbe:
 
     def after_backward(self, engine) -> None:
         self.state = state_bytes(engine)
+        self.split = state_split(engine)
         if self.locate:
             self.locations = self.locate(engine)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from helpers.core.mapping import job_theory_bytes, mode_key
+from helpers.core.mapping import job_theory_bytes, job_theory_split, mode_key
 from helpers.job.guard import JobStop
 from helpers.job.observe.base import Observer, gather
 from helpers.job.observe.memory import PeakMemory, StepProbe
@@ -54,7 +54,7 @@ class Memory(Observer):
         if step == s.probe_step:
 
             self.keys.update(memory_summary(s.job, self.probe, self.peak, s.summary["num_params"],
-                                            s.job.train.micro_batch))
+                                            s.job.train.micro_batch, (s.summary["peft"] or {}).get("trainable_params")))
             self.keys["swap_buffer_bytes"] = gather(swap_buffer_bytes(s.engine))
 
     def on_train_end(self, s):
@@ -67,16 +67,19 @@ class Memory(Observer):
         return self.keys
 
 
-def memory_summary(job, probe, peak, num_params: int, micro_batch: int) -> dict:
-    """Per-rank measured state next to the ZeRO model's prediction (summary.json keys)."""
+def memory_summary(job, probe, peak, num_params: int, micro_batch: int, trainable: int | None = None) -> dict:
+    """Per-rank measured state next to the ZeRO model's prediction (summary.json keys); ``trainable``: the
+    parameters that train (--peft), all when None."""
 
     key = mode_key(job)
-    theory = job_theory_bytes(job, num_params, dist.get_world_size())
+    theory = job_theory_bytes(job, num_params, dist.get_world_size(), trainable)
     return {
         "mode_key": key,
         "memory_bytes": gather(totals(probe.locations)),  # probe.state + swap files + host fp32 grads
         "memory_location_bytes": gather(probe.locations),
         "memory_theory_bytes": theory,
+        "memory_split_bytes": gather(probe.split),
+        "memory_theory_split_bytes": job_theory_split(job, num_params, dist.get_world_size(), trainable),
         "peak_memory_source": peak.source,
         "activation_bytes_per_sample": probe.activations.bytes / micro_batch,
     }

@@ -217,15 +217,20 @@ class Checkpoints(Observer):
     def on_train_begin(self, s):
 
         self.every = s.args.checkpoint_every
+        t = s.job.train
         self.extra = {"param_shapes": param_shapes(s.engine.module),
-                      "model_config": json.loads(s.model.config.to_json_string())} if self.every else {}
+                      "model_config": json.loads(s.model.config.to_json_string()), "peft": s.summary["peft"],
+                      "train": {"micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
+                                "model_dtype": t.model_dtype}
+                      } if self.every else {}
 
     def on_step_end(self, s, step, row):
         if self.every and (step + 1) % self.every == 0:
 
             with self.uses["peak_sampler"].peak.outside_training():  # save_peak_memory_bytes, not the training peak
                 saved = save(s.engine, s.job, s.args.checkpoint_dir, step + 1, self.extra,
-                             fault_hook=lambda k: s.guard.fault_hook(k, "save"))
+                             fault_hook=lambda k: s.guard.fault_hook(k, "save"), peft=s.peft,
+                             naive_adapter=s.args.save_naive_adapter)
             self.saved.append(saved)
             s.run.log(f"saved {saved['path']} ({saved['format']}, {saved['seconds']:.2f} s)")
 

@@ -55,14 +55,17 @@ PROBE_KEYS = ("loaded", "stored_param", "master_param", "optimizer_param", "forw
 
 
 def probe_target(model) -> tuple[str, torch.nn.Module, str]:
-    """(fully qualified name, owning module, attribute) of the first 2-D weight in the first block."""
+    """(fully qualified name, owning module, attribute) of the first 2-D weight in the first block that the
+    optimizer steps (with --peft: the first adapter matrix; the frozen base has no gradient to follow)."""
 
     block = decoder_layers(model)[0]
     prefix = next(n for n, m in model.named_modules() if m is block)
-    for mod_name, module in block.named_modules():
-        for leaf, p in module.named_parameters(recurse=False):
-            if len(getattr(p, "ds_shape", p.shape)) == 2:  # ZeRO-3 init: p itself is empty
-                return f"{prefix}.{mod_name}.{leaf}".replace("..", "."), module, leaf
+    found = [(f"{prefix}.{mod_name}.{leaf}".replace("..", "."), module, leaf, p.requires_grad)
+             for mod_name, module in block.named_modules() for leaf, p in module.named_parameters(recurse=False)
+             if len(getattr(p, "ds_shape", p.shape)) == 2]  # ZeRO-3 init: p itself is empty
+    if found:  # trainable first, else in order (sorted is stable)
+        name, module, leaf, _ = sorted(found, key=lambda f: not f[3])[0]
+        return name, module, leaf
     raise ValueError(f"no 2-D weight in {prefix}")
 
 
@@ -195,11 +198,12 @@ class UpdateTracker:
     def _shards(self) -> list[tuple[torch.Tensor, torch.dtype]]:
         """(local values the optimizer updates, compute dtype) per parameter on this rank."""
         if self.engine.backend == "fsdp":
-            return [(f.param.to_local().reshape(-1), f.compute_dtype) for f in fsdp_params(self.engine.module)]
+            return [(f.param.to_local().reshape(-1), f.compute_dtype) for f in fsdp_params(self.engine.module)
+                    if f.param.requires_grad]
         from deepspeed.utils import safe_get_local_fp32_param
 
         rank, out = dist.get_rank(), []
-        for p in self.engine.module.parameters():
+        for p in (p for p in self.engine.module.parameters() if p.requires_grad):  # --peft: the adapter only
             valid = zero3_local_numel(p.ds_numel, p.ds_tensor.numel(), rank)
             out.append((safe_get_local_fp32_param(p).reshape(-1)[:valid], p.ds_tensor.dtype))
         return out

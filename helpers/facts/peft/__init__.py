@@ -1,0 +1,1 @@
+"""peft facts, one module per part of the guide (see helpers.facts)."""

@@ -67,7 +67,11 @@ backward: the root unit (embeddings, head) is the last to reduce its gradients, 
 are gone; all of the state, with that unit's gathered weights and unsharded gradients (the gathered
 unit), and across ranks the reduce-scatter's copy of those gradients (one more unit in the compute
 dtype). (The estimator takes the largest unit for it: in the guide's models that is the root.)
-DeepSpeed ZeRO-3 across ranks, the end of backward: the state, the bucket, the reduce-scatter copies
+DeepSpeed ZeRO-3 across ranks, the start of a forward: the state, the bucket and two copies of what it keeps
+gathered (once the first step has traced the module order it gathers ahead: the all-gather's output buffers and
+their concatenated copy; measured on ``small`` with LoRA on 2 ranks, where this moment is the peak). ZeRO-3 on one
+rank gathers nothing (a parameter is its own partition): no gathered unit. DeepSpeed ZeRO-3 across ranks, the end
+of backward: the state, the bucket, the reduce-scatter copies
 and the largest parameter still gathered (the input embedding, the last one backward uses). The optimizer
 step: all of the state, buckets, master_grads and optimizer_step, no
 activations; every unit has been resharded by then (FSDP, ZeRO-3), except under NO_SHARD, where the
@@ -152,8 +156,8 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
     trained = shapes.trainable_numel
     if key == "shard_grad_op":
         gathered = c * (shapes.numel + unit_t)
-    elif key in ("full_shard", "hybrid_shard", "no_shard") or key.startswith("zero3"):
-        gathered = c * (unit + unit_t)
+    elif key in ("full_shard", "hybrid_shard", "no_shard") or (key.startswith("zero3") and world_size > 1):
+        gathered = c * (unit + unit_t)  # ZeRO-3 on one rank: a parameter is its own partition, nothing is gathered
     else:
         gathered = 0
     buckets = master_grads = 0
@@ -217,7 +221,11 @@ def estimate(job, shapes: Shapes, world_size: int, micro_batch: int, seq_len: in
         else:
             step = at_rest - gathered + step_temp
             end = at_rest - gathered + c * largest_param + rs_copies if rs_copies else 0
-        peaks.append(max(backward, end, step) + extra["cublas_workspace"])  # allocated at the first matmul, kept
+        # ZeRO-3 across ranks, the start of a step's forward: once the first step has traced the module order, it
+        # gathers ahead, and the all-gather's output buffers and their concatenated copy are alive together (two
+        # copies of what it keeps gathered; benchmarks/peak_alive.py, small with LoRA on 2 ranks)
+        forward = at_rest - gathered + 2 * held if held else 0
+        peaks.append(max(backward, end, step, forward) + extra["cublas_workspace"])  # allocated at the first matmul
         ranks.append(row)
     return {"mode_key": key, "world_size": world_size, "micro_batch": micro_batch, "seq_len": seq_len,
             "num_params": shapes.numel, "trainable_params": trained, "activation_ratio": ratio,

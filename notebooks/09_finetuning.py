@@ -72,13 +72,14 @@ for n in WORLDS:
         split, state = s["memory_split_bytes"][0], s["memory_bytes"][0]  # rank 0
         rows.append(dict(config=name, backend=s["backend"], ranks=n,
                          frozen_weights_MiB=split["frozen"]["params"] / 2**20,
-                         frozen_every_rank=len({r["frozen"]["params"] for r in s["memory_split_bytes"]}) == 1,
+                         frozen_same_on_ranks=len({r["frozen"]["params"] for r in s["memory_split_bytes"]}) == 1,
                          adapter_state_KiB=sum(split["trainable"].values()) / 2**10,
                          grads_opt_master_B=state["grads"] + state["optimizer_states"] + state["master_params"],
                          peak_MiB=s["peak_tensor_bytes"][0] / 2**20,
                          predicted_MiB=e["peak_bytes_per_rank"][0] / 2**20,
                          bucket_MiB=e["categories_per_rank"][0]["comm_buckets"] / 2**20,
-                         state_exact=s["memory_bytes"] == [{k: c[k] for k in state} for c in e["categories_per_rank"]]))
+                         state_exact=s["memory_bytes"] == [{k: c[k] for k in state} for c in e["categories_per_rank"]],
+                         zero3_extra_MiB=(state["params"] - e["categories_per_rank"][0]["params"]) / 2**20))
 table = pd.DataFrame(rows)
 frozen_numel, trainable_numel = s["peft"]["frozen_params"], s["peft"]["trainable_params"]
 print(f"{MODEL}: {trainable_numel:,} trainable, {frozen_numel:,} frozen parameters "
@@ -100,49 +101,56 @@ ax.legend();
 # no fp32 master. FSDP and ZeRO-3 shard that weight like any other, so it shrinks as ranks are
 # added. ZeRO-2 keeps it whole on every rank, in bf16: its flat buffers hold only what the
 # optimizer steps, so a frozen parameter stays a plain module parameter (ZeRO-1 does the same;
-# `tests/test_lora.py` measures it). FSDP keeps the frozen weight in bf16, because Accelerate
-# upcasts only trainable parameters <!-- fact: accelerate.fsdp2_upcasts_trainable_only -->.
-# ZeRO-3 also keeps its small parameters whole on every rank, next to their partition: here the
-# norms and the whole adapter <!-- fact: deepspeed.zero3_persistent_keep_partition -->. The
-# adapter's own state (weights, gradients, Adam moments, master) is a small part of what a rank holds.
+# `tests/test_lora.py` measures it). FSDP keeps the frozen weight in bf16: the job applies
+# Accelerate's rule, which upcasts only trainable parameters
+# <!-- fact: accelerate.fsdp2_upcasts_trainable_only -->. The adapter's own state (weights,
+# gradients, Adam moments, master) is a small part of what a rank holds. It differs by config at
+# N > 1: ZeRO-2 keeps the adapter's bf16 weights whole on every rank, and ZeRO-3 keeps its small
+# parameters (here the norms and the whole adapter) whole next to their partition
+# <!-- fact: deepspeed.zero3_persistent_keep_partition -->.
 
 # %%
 facts.show("accelerate.fsdp2_upcasts_trainable_only")
-# gradients, Adam moments and masters for the frozen base would be >= 2 bytes per frozen element (over N ranks);
-# for the adapter alone they are at most 4 + 8 + 4 bytes per adapter element
-bound = 16 * trainable_numel
-claim("no job holds a gradient, an optimizer state or a master copy for a frozen parameter: on rank 0 of every "
-      "job the three together stay within 16 bytes per adapter element",
-      (table.grads_opt_master_B <= bound).all(), worst_B=table.grads_opt_master_B.max(), bound_B=bound,
-      one_frozen_grad_B=2 * frozen_numel // max(WORLDS))
+# for the adapter alone, gradient + Adam moments + master are at most 4 + 8 + 4 bytes per adapter element, over N
+# ranks, plus Adam's 4-byte step counters; any state for a frozen tensor (even a 512-element norm) would pass that
+n_tensors = 2 * sum(s["peft"]["adapted"].values())  # lora_A and lora_B per adapted module
+bound = 16 * trainable_numel / table.ranks + 4 * n_tensors
+claim("no job holds a gradient, an optimizer state or a master copy for a frozen parameter: on rank 0 the three "
+      "together stay within 16 bytes per adapter element over N ranks (plus step counters)",
+      (table.grads_opt_master_B <= bound).all(), measured_B=table.grads_opt_master_B.tolist(),
+      bound_B=bound.astype(int).tolist())
 z2, fs, z3 = (table[table.config == c].set_index("ranks").frozen_weights_MiB for c in ("zero2", "full_shard", "zero3"))
 whole = frozen_numel * 2 / 2**20
 claim("ZeRO-2 holds the whole frozen base in bf16 on every rank, at every rank count",
-      all(abs(v - whole) < 1e-9 for v in z2) and table[table.config == "zero2"].frozen_every_rank.all(),
+      all(abs(v - whole) < 1e-9 for v in z2) and table[table.config == "zero2"].frozen_same_on_ranks.all(),
       zero2_MiB=z2.round(2).tolist(), bf16_whole_MiB=round(whole, 2))
 claim("FSDP holds a 1/N bf16 shard of it (within 1% for padding)",
       all(abs(fs[n] - whole / n) <= 0.01 * whole / n for n in WORLDS), fsdp_MiB=fs.round(2).tolist())
 if len(WORLDS) > 1:
-    claim("ZeRO-3's share falls as ranks are added", z3.is_monotonic_decreasing and z3.iloc[-1] < z3.iloc[0],
-          zero3_MiB=z3.round(2).tolist())
+    claim("ZeRO-3 holds a 1/N bf16 share of it too (within 1%: its small parameters stay whole)",
+          all(abs(z3[n] - whole / n) <= 0.01 * whole / n for n in WORLDS), zero3_MiB=z3.round(2).tolist())
 print(f"trainable share of the parameters: {trainable_numel / (trainable_numel + frozen_numel):.2%}")
 claim("the adapter's whole state is under a fifth of the frozen weights a rank holds, in every job",
       (table.adapter_state_KiB / 1024 < 0.2 * table.frozen_weights_MiB).all(),
       adapter_KiB=table.adapter_state_KiB.round(1).tolist())
-claim("every job's state on every rank equals the estimator's, to the byte", table.state_exact.all(),
-      exact=table.state_exact.tolist())
+exact = table[table.config != "zero3"]
+claim("FSDP's and ZeRO-2's state on every rank equals the estimator's, to the byte", exact.state_exact.all(),
+      exact=exact.state_exact.tolist())
+print("ZeRO-3 at N > 1 holds a little more than the estimator counts: the partitions of the small parameters it also "
+      "keeps whole (MiB):", table[table.config == "zero3"].set_index("ranks").zero3_extra_MiB.round(3).to_dict())
 
 # %% [markdown]
 # ## Will it fit? The estimator against these jobs
 #
 # `python -m helpers.estimate ... --peft FILE` counts the adapter's state and the frozen weights.
 # A frozen base also keeps fewer activations: a frozen layer's input is not needed for a weight
-# gradient. The estimator counts that by running the forward once with fake tensors, which
-# compute nothing.
+# gradient. The estimator traces the forward with fake tensors (which compute nothing), with and
+# without the adapter, and scales its activation formula by the ratio.
 #
-# DeepSpeed's peaks sit near 1 GB whatever the model: its gradient bucket, `reduce_bucket_size`
-# elements in bf16, is allocated whole (the estimator's `comm_buckets`, printed as `bucket_MiB`). So
-# each DeepSpeed row is also scored without it (`error_wo_bucket`).
+# Here DeepSpeed's peaks sit near 1 GB: a fixed gradient bucket of `reduce_bucket_size` elements in
+# bf16 (DeepSpeed's default; these JSONs leave it unset) is allocated whole, on top of what the
+# model needs (the estimator's `comm_buckets`, printed as `bucket_MiB`). For a model this small it
+# is most of the peak, so every row is also scored without it (`error_wo_bucket`).
 #
 # Identical jobs can measure different CPU peaks. A job more than 10% off is run once more, and
 # the smaller of its two peaks counts, as in `tests/test_estimate.py`. The cell prints both.
@@ -169,13 +177,14 @@ print(table[["config", "ranks", "peak_MiB", "peak_again_MiB", "predicted_MiB", "
 claim("the estimator predicts every job's peak within 10%", (table.error.abs() <= 0.10).all(),
       worst=table.error.abs().max(), jobs_run_twice=int(over.sum()))
 wo = table.groupby("config").error_wo_bucket.apply(lambda e: e.abs().max())
-claim("without the bucket, FSDP and ZeRO-2 stay within 10%; ZeRO-3's rest is further off",
-      wo["full_shard"] <= 0.10 and wo["zero2"] <= 0.10 and wo["zero3"] > max(wo["full_shard"], wo["zero2"]),
-      worst_wo_bucket=wo.round(3).to_dict())
+claim("without the bucket, FSDP and ZeRO-2 stay within 10%, ZeRO-3 within 20% (it misses the partitions above)",
+      wo["full_shard"] <= 0.10 and wo["zero2"] <= 0.10 and wo["zero3"] <= 0.20, worst_wo_bucket=wo.round(3).to_dict())
 
 # %% [markdown]
-# ZeRO-3's estimate without its bucket is the weakest here: what it keeps gathered from forward into
-# backward under a frozen base is a part we have not measured apart. The total still lands within 10%.
+# ZeRO-3's peak rises from one rank to two: across ranks it gathers the model ahead of each
+# forward, and the all-gather's buffers and their concatenated copy are alive together, two
+# bf16 copies of the model (`benchmarks/peak_alive.py` shows them). On one rank a parameter is its
+# own partition, and nothing is gathered.
 #
 # ## Saving the adapter, and the ZeRO-3 trap
 #
@@ -187,7 +196,8 @@ claim("without the bucket, FSDP and ZeRO-2 stay within 10%; ZeRO-3's rest is fur
 # <!-- fact: deepspeed.zero3_persistent_keep_partition -->.
 #
 # Three 2-rank jobs save a checkpoint at step 2. Each checkpoint holds the guide's `adapter/`,
-# gathered in fp32, and `adapter_naive/`, what a plain save on rank 0 writes. The jobs are
+# gathered in fp32, and `adapter_naive/`, what a plain `save_pretrained` on rank 0 writes (imitated:
+# PEFT's state dict of the module as rank 0 holds it, handed to safetensors). The jobs are
 # `zero3.yaml` (DeepSpeed's default threshold, 100,000 elements), `zero3_no_prefetch.yaml`
 # (threshold 0; of its other settings none changes what is partitioned) and FSDP.
 
@@ -231,14 +241,19 @@ claim("with threshold 0 a naive ZeRO-3 save writes every name and no values, and
 claim("with DeepSpeed's default threshold this small adapter is kept whole, and the naive save happens to work",
       naive.loc["zero3", "empty_tensors"] == 0 and naive.loc["zero3", "peft_loads"],
       numel=naive.loc["zero3", "numel"])
-claim("under FSDP2 a plain save fails: its state dict holds DTensors (rank 0's shards), which safetensors cannot "
-      "write", bool(naive.loc["full_shard", "save_error"]) and
-      naive.loc["full_shard", "numel"] < guide.set_index("config").loc["full_shard", "numel"],
-      error=naive.loc["full_shard", "save_error"], local_numel=naive.loc["full_shard", "numel"])
+fs_naive = read_meta("notebooks/runs/09_ckpt_full_shard/step_2")["adapter_naive"]
+claim("under FSDP2 the default (safetensors) save fails: every value of the state dict is a DTensor holding rank 0's "
+      "shard, and nothing is written", bool(fs_naive["error"]) and fs_naive["dtensors"] == fs_naive["tensors"] > 0
+      and naive.loc["full_shard", "numel"] < guide.set_index("config").loc["full_shard", "numel"]
+      and not os.path.exists("notebooks/runs/09_ckpt_full_shard/step_2/adapter_naive/adapter_model.safetensors"),
+      error=fs_naive["error"], dtensors=fs_naive["dtensors"])
 
 # %% [markdown]
+# (For FSDP the table's `tensors` and `numel` describe rank 0's state dict in memory: no file was
+# written.)
+#
 # **What it means.** A plain save is only safe when every adapter parameter sits whole on rank 0.
-# A real model breaks that easily. Accelerate fills a threshold of `auto` with 10 × the hidden size
+# With Accelerate's `auto` threshold a real model breaks that. Accelerate fills `auto` with 10 × the hidden size
 # <!-- fact: accelerate.ds_auto_persistence_threshold -->. The cell below does that arithmetic for
 # this notebook's adapter on a model of Llama-2-7B's widths (hidden 4,096, MLP 11,008). Gather
 # first, as the guide does.
@@ -255,8 +270,9 @@ for mod, (n_in, n_out) in {"o_proj": (hidden, hidden), "down_proj": (mlp, hidden
 # %% [markdown]
 # ## Do the two backends still train alike?
 #
-# The FSDP and ZeRO-3 runs above are the aligned pair. A second pair targets `q_proj` and
-# `v_proj` (`lora_qv.json`).
+# The FSDP and ZeRO-3 runs above are the aligned pair: `fsdp/full_shard.yaml` and
+# `deepspeed/zero3.yaml`, the two configs this guide keeps bit for bit alike for full training. A
+# second pair targets `q_proj` and `v_proj` (`lora_qv.json`).
 
 # %% language="bash"
 # for CFG in fsdp/full_shard deepspeed/zero3; do
@@ -273,6 +289,9 @@ same = compare("notebooks/runs/09_save_full_shard", "notebooks/runs/09_save_zero
 qv_layers = model_config(resolve_model(MODEL)).num_hidden_layers
 qv = compare("notebooks/runs/09_qv_full_shard", "notebooks/runs/09_qv_zero3")
 print(same.report(), "\n", qv.report(), sep="")
+norms = qv.values["grad_norm"] if qv.values else (0.0, 0.0)
+print(f"q/v pair at step {qv.first_step}: losses equal, gradient norms {norms[0]:.7f} vs {norms[1]:.7f} "
+      f"(relative difference {abs(norms[0] - norms[1]) / norms[0]:.1e})")
 if nb.bitwise_parity_expected(2):
     claim("LoRA on o_proj/down_proj: the aligned pair is identical for 3 steps, every adapter weight, gradient and "
           "update (the frozen weights have no gradient and are not traced)",
@@ -303,11 +322,11 @@ if nb.bitwise_parity_expected(2):
 #
 # - A frozen parameter costs only its weight. FSDP and ZeRO-3 shard it; ZeRO-2 (and ZeRO-1) keep it
 #   whole on every rank.
-# - The estimator takes the LoRA config and predicted these peaks within 10%; for DeepSpeed most of
-#   that peak is its fixed gradient bucket.
+# - The estimator takes the LoRA config and predicted these peaks within 10% (without DeepSpeed's
+#   fixed gradient bucket: FSDP and ZeRO-2 within 10%, ZeRO-3 within 20%).
 # - Save the adapter gathered. A plain save under ZeRO-3 can be empty, depending on
 #   `stage3_param_persistence_threshold`, a config setting (Accelerate's `auto` is 10 × hidden), not
-#   on your save code. Under FSDP2 it fails outright.
+#   on your save code. Under FSDP2 the default (safetensors) save fails.
 # - On this CPU, for 3 steps at 2 ranks, the aligned pair trained this LoRA bit for bit. Adapters on
-#   inputs that other modules also read part in the last bit under ZeRO-3, whose per-module
-#   functions change the order of a bf16 sum.
+#   inputs that other modules also read part from step 1, by a small amount (printed above); the
+#   layer pattern fits ZeRO-3's per-module functions changing the order of a bf16 sum.

@@ -259,8 +259,8 @@ def test_a_naive_save_under_zero3_writes_empty_tensors(adapter_runs):
     naive = adapter_loss(adapter_runs["zero3"] / "ckpt" / "step_2", "adapter_naive")
     assert not naive["loaded"] and "size mismatch" in naive["error"], naive
     fsdp = read_meta(adapter_runs["fsdp"] / "ckpt" / "step_2")["adapter_naive"]
-    assert fsdp["error"] and not (adapter_runs["fsdp"] / "ckpt" / "step_2" / "adapter_naive" /
-                                  "adapter_model.safetensors").exists(), fsdp
+    assert fsdp["error"] and fsdp["dtensors"] == fsdp["tensors"] > 0, fsdp
+    assert not (adapter_runs["fsdp"] / "ckpt" / "step_2" / "adapter_naive" / "adapter_model.safetensors").exists()
 
 
 def test_resuming_with_and_without_peft_is_refused(adapter_runs, tmp_path):
@@ -278,15 +278,21 @@ def test_resuming_with_and_without_peft_is_refused(adapter_runs, tmp_path):
 
 def test_the_estimator_predicts_lora_peaks_within_10_percent():
     """``benchmarks/estimate_grid_lora.json``: real LoRA jobs (tiny and small, 1 and 2 ranks, FULL_SHARD,
-    SHARD_GRAD_OP, ZeRO-2, ZeRO-3) re-scored with today's estimator."""
+    SHARD_GRAD_OP, ZeRO-2, ZeRO-3) re-scored with today's estimator, with and without DeepSpeed's bucket."""
     from helpers import estimate as est
 
     rows = json.loads((REPO / "benchmarks" / "estimate_grid_lora.json").read_text())["rows"]
     assert {r["model"] for r in rows} >= {"tiny", "small"} and {r["world_size"] for r in rows} >= {1, 2}
     assert {r["mode"] for r in rows} >= {"full_shard", "shard_grad_op", "zero2", "zero3"}
     assert all(r.get("peft") == LORA for r in rows)
-    worst = max((est.against(r) | r for r in rows), key=lambda r: abs(r["error"]))
+    scored = [est.against(r) | r for r in rows]
+    worst = max(scored, key=lambda r: abs(r["error"]))
     assert abs(worst["error"]) <= 0.10, (worst["mode"], worst["model"], worst["world_size"], worst["error"])
+    # DeepSpeed's fixed bucket alone is most of a small model's peak: the rest is scored too. ZeRO-3's rest misses
+    # the partitions of the small parameters it also keeps whole (helpers/core/footprint.py: state_per_rank): 20%
+    for r in scored:
+        bound = 0.20 if r["mode"] == "zero3" else 0.10
+        assert abs(r["error_without_buckets"]) <= bound, (r["mode"], r["model"], r["world_size"], r["error_without_buckets"])
 
 
 def test_a_frozen_base_saves_fewer_activations_than_a_full_fine_tune():

@@ -254,6 +254,7 @@ def naive_export(engine, cfg, out: Path, model_name: str, rank: int) -> dict:
         state = {PREFIX + k: v for k, v in get_peft_model_state_dict(engine.module, adapter_name=ADAPTER).items()}
     result = {"tensors": len(state), "numel": sum(_local_numel(t) for t in state.values()),
               "empty": sum(_local_numel(t) == 0 for t in state.values()), "error": None,
+              "dtensors": sum(hasattr(t, "to_local") for t in state.values()),
               "peft_warned": any("not gathered" in str(w.message) for w in caught)}
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -6,6 +6,11 @@ from __future__ import annotations
 import argparse
 
 
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's message (its class name when it has none), for a one-line error."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are ``error: MESSAGE (see PROG --help)`` and exit status 2 (argparse's own
     prints the usage first)."""

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
+from helpers.core.cli import first_line
 from helpers.core.internals import dcp_empty_load_planner, dcp_pickled_private
 
 
@@ -88,7 +89,7 @@ def load(path: str | os.PathLike, kind: str, **kw):
     except pickle.UnpicklingError as e:
         raise UnsafeFile(_refusal(path, kind, str(e))) from None
     except (RuntimeError, EOFError, OSError) as e:  # truncated, corrupt, or not written by torch.save
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        first = first_line(e, 160)
         raise UnreadableFile(f"{path}: cannot read it as a {kind} file ({first}); is the checkpoint "
                              "complete?") from None
 

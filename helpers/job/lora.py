@@ -21,7 +21,7 @@ each backend still holds for a frozen parameter is measured by the job (``memory
 With ``--checkpoint-dir`` every checkpoint also holds ``adapter/`` in PEFT's own format
 (``export``): the trainable parameters gathered whole in fp32 (FSDP's ``full_tensor``, DeepSpeed's
 ``safe_get_full_fp32_param``) and written by rank 0, so ``PeftModel.from_pretrained(base, DIR/step_K/adapter)``
-loads it on a plain model (``python -m helpers.adapter check DIR/step_K`` does, and compares the loss).
+loads it on a plain model (``python -m helpers.adapter DIR/step_K`` does, and compares the loss).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from helpers.core.cli import first_line
 
 ADAPTER = "default"  # PEFT's adapter name
 PREFIX = "base_model.model."  # how PeftModel names the keys of a saved adapter
@@ -90,7 +92,7 @@ def read_config(path: str):
     try:
         return LoraConfig(**raw)
     except (TypeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise PeftConfigError(f"{where}: PEFT refuses it: {first}") from None
 
 
@@ -114,12 +116,12 @@ def check_applies(cfg, spec, job, path: str) -> None:
     try:
         inject_adapter_in_model(copy.deepcopy(cfg), model)
     except NoMatchingPeftModuleError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise PeftConfigError(f"--peft {path}: target_modules = {json.dumps(sorted(cfg.target_modules or []))}: "
                               f"{first} ({type(model).__name__}'s linear and embedding modules: "
                               f"{', '.join(linear_names(model))})") from None
     except (ValueError, TypeError, KeyError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e)
         raise PeftConfigError(f"--peft {path}: PEFT refuses it for {type(model).__name__}: {first}") from None
     if spec.kind == "pretrained" and method_for(job) != "naive":
         key = "fsdp_cpu_ram_efficient_loading" if job.backend == "fsdp" else "zero3_init_flag"
@@ -247,7 +249,6 @@ def naive_export(engine, cfg, out: Path, model_name: str, rank: int) -> dict:
     import warnings
 
     from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     with warnings.catch_warnings(record=True) as caught:  # PEFT's own warning about empty tensors: kept, not printed
         warnings.simplefilter("always")
@@ -256,16 +257,11 @@ def naive_export(engine, cfg, out: Path, model_name: str, rank: int) -> dict:
               "empty": sum(_local_numel(t) == 0 for t in state.values()), "error": None,
               "dtensors": sum(hasattr(t, "to_local") for t in state.values()),
               "peft_warned": any("not gathered" in str(w.message) for w in caught)}
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        write(out, state, cfg, model_name)  # the weights first: a failed save writes no config
     except Exception as e:  # noqa: BLE001 - what the naive save meets is the point; kept as one line
         (out / "adapter_model.safetensors").unlink(missing_ok=True)
-        result["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        return result
-    saved = config_dict(cfg)
-    saved.update(base_model_name_or_path=model_name, inference_mode=True)
-    (out / "adapter_config.json").write_text(json.dumps(saved, indent=2, sort_keys=True))
+        result["error"] = f"{type(e).__name__}: {first_line(e)}"
     return result
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from helpers import set_ds_accelerator
+from helpers.core.cli import first_line
 from helpers.core.config import JobConfig, adamw_kwargs
 from helpers.core.internals import MUON_MODULE, import_without_compile
 from helpers.job import recompute
@@ -129,7 +130,7 @@ def check_with_deepspeed(js: dict, device_type: str = "cpu") -> None:
             raise ValueError(f"DeepSpeed refuses {where}: {msg}") from None
         raise ValueError(f"DeepSpeed refuses {where} = {err.get('input')!r}: {msg}") from None
     except (AssertionError, ValueError, KeyError, TypeError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        why = first_line(e)
         raise ValueError(f"DeepSpeed refuses this config: {why}") from None
     _check_scheduler(js.get("scheduler"))
     for path, bad, why, where in _CANNOT_RUN:

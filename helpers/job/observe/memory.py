@@ -105,24 +105,11 @@ def state_split(engine) -> dict[str, dict[str, int]]:
     return out
 
 
-def state_bytes(engine) -> dict[str, int]:
-    """Bytes per category on this rank, each storage counted once (see module doc)."""
-    groups = _fsdp_tensors(engine) if engine.backend == "fsdp" else _ds_tensors(engine)
-    seen: set[int] = set()
-    out = dict.fromkeys(CATEGORIES, 0)
-    for cat in CATEGORIES:
-        for t in groups[cat]:
-            if not torch.is_tensor(t):
-                continue
-            t = _local(t)
-            if t.numel() == 0:
-                continue
-            storage = t.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            out[cat] += storage.nbytes()
-    return out
+def state_bytes(engine, split: dict | None = None) -> dict[str, int]:
+    """Bytes per category on this rank, each storage counted once (see module doc): ``state_split``'s two parts
+    added up (``split``: one already taken)."""
+    split = split or state_split(engine)
+    return {cat: split["trainable"][cat] + split["frozen"][cat] for cat in CATEGORIES}
 
 
 def proc_status_bytes(*keys: str) -> dict[str, int]:
@@ -269,8 +256,8 @@ class StepProbe:
         return self.activations if micro_step == 0 else nullcontext()
 
     def after_backward(self, engine) -> None:
-        self.state = state_bytes(engine)
-        self.split = state_split(engine)
+        self.split = state_split(engine)  # one walk of the state; state is its sum
+        self.state = state_bytes(engine, self.split)
         if self.locate:
             self.locations = self.locate(engine)
 

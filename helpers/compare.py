@@ -9,8 +9,10 @@ the first line says where::
 When both jobs ran with ``--trace-tensors`` (helpers.job.observe.tensor_trace) it also names the first
 tensor that differs: the earliest step, then the earliest stage of that step (weight, local
 gradient, reduced gradient, update), then the first parameter in model order, with its dtype
-on each side. A difference in the tensors usually shows up a step before the losses do (an
-update at step K changes the loss of step K+1). Exit status 2: bad input (one line).
+on each side. When both ran with ``--trace-activations`` (helpers.job.observe.activation_trace) it
+names the first module whose output (forward) or output gradient (backward) differs. A
+difference in the tensors usually shows up a step before the losses do (an update at step K
+changes the loss of step K+1). Exit status 2: bad input (one line).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from helpers.core.metrics import STAGES, TRACE_FILE
+from helpers.core.metrics import ACTIVATION_FILE, STAGES, TRACE_FILE
 
 
 class CompareError(ValueError):
@@ -49,6 +51,23 @@ class TensorDiff:
                 f"{self.dtype_a} vs {self.dtype_b}{more}{changed}\n  {HINTS.get(self.stage, '')}").rstrip()
 
 
+@dataclass
+class ActivationDiff:
+    step: int
+    rank: int
+    micro: int
+    phase: str  # "forward": the module's output; "backward": the gradient that reached its output
+    module: str
+    cls: str  # the module's class
+    dtype_a: str
+    dtype_b: str
+
+    def line(self) -> str:
+        what = "output" if self.phase == "forward" else "output gradient"
+        return (f"first differing module: step {self.step} rank {self.rank} micro-batch {self.micro}, {self.phase}: "
+                f"{what} of {self.module} ({self.cls}): {self.dtype_a} vs {self.dtype_b}")
+
+
 HINTS = {  # what a first difference at each stage says about where the two runs part
     "weight": "the weights differ before any gradient: a different start (seed, loading, dtype rounding)",
     "grad_local": "same weights, different local gradients: the forward/backward arithmetic differs "
@@ -71,6 +90,8 @@ class Comparison:
     tensor: TensorDiff | None = None  # first differing tensor, when both runs have traces
     traced: tuple[bool, bool] = (False, False)
     untraced: int = 0  # parameters without a gradient (a frozen base): their tensors are not in the traces
+    module: ActivationDiff | None = None  # first differing module output, when both runs traced activations
+    activations: tuple[bool, bool] = (False, False)
 
     @property
     def identical(self) -> bool:
@@ -94,6 +115,12 @@ class Comparison:
         else:
             missing = " and ".join(str(p) for p, t in zip((self.a, self.b), self.traced, strict=True) if not t)
             lines.append(f"no tensor trace in {missing}: run both jobs with --trace-tensors to name the tensor")
+        if self.module is not None:
+            lines.append(self.module.line())
+        elif all(self.activations):
+            lines.append("activation traces: every module output and output gradient identical")
+        elif not self.identical:
+            lines.append("no activation trace in both runs: run them with --trace-activations to name the module")
         return "\n".join(lines)
 
 
@@ -150,6 +177,27 @@ def first_tensor_diff(a: Path, b: Path, steps: list[int]) -> TensorDiff | None:
     return None
 
 
+def first_activation_diff(a: Path, b: Path, steps: list[int]) -> ActivationDiff | None:
+    """The first (step, rank, micro-batch, phase, module) whose output fingerprint differs in the two traces:
+    the forward before the backward, modules in the order the traces met them."""
+    ra, rb = _read_jsonl(a / ACTIVATION_FILE, ACTIVATION_FILE), _read_jsonl(b / ACTIVATION_FILE, ACTIVATION_FILE)
+    classes = ra[0].get("modules", {}) if ra else {}
+    ta = {r["step"]: r["ranks"] for r in ra if "step" in r}
+    tb = {r["step"]: r["ranks"] for r in rb if "step" in r}
+    for step in steps:
+        if step not in ta or step not in tb:
+            continue
+        for rank, (ma, mb) in enumerate(zip(ta[step], tb[step], strict=False)):
+            for micro, (xa, xb) in enumerate(zip(ma, mb, strict=False)):
+                for phase in ("forward", "backward"):
+                    fb = {n: (fp, dt) for n, fp, dt in xb[phase]}
+                    for name, fp, dt in xa[phase]:
+                        if name in fb and fb[name][0] != fp:
+                            return ActivationDiff(step, rank, micro, phase, name,
+                                                  classes.get(name.split("#")[0], "?"), dt, fb[name][1])
+    return None
+
+
 def compare(a: str | Path, b: str | Path) -> Comparison:
     """Compare two run directories (raises CompareError on bad input)."""
     a, b = Path(a), Path(b)
@@ -171,6 +219,9 @@ def compare(a: str | Path, b: str | Path) -> Comparison:
         out.tensor = first_tensor_diff(a, b, common)
         first = _read_jsonl(a / TRACE_FILE, TRACE_FILE)[0]["params"]
         out.untraced = sum(rec["weight"][1] is None for rec in first.values())
+    out.activations = ((a / ACTIVATION_FILE).is_file(), (b / ACTIVATION_FILE).is_file())
+    if all(out.activations):
+        out.module = first_activation_diff(a, b, common)
     return out
 
 

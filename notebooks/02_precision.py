@@ -502,24 +502,26 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 # `compare` agrees: every micro-batch's local gradient is the same on both sides at step 0;
 # the first tensors that differ are the reduced gradients of that step.
 #
-# ### Ten model families
+# ### Twenty model families, checked with `helpers.switch`
 #
-# Is parity a property of the tiny Llama only? `helpers.families` holds tiny configs
-# (`config.json`, what `--model` takes) of ten causal-LM families transformers builds from a
-# config, <!-- fact: transformers.causal_lm_families --> with and without biases, tied embeddings, grouped-query attention, fused
-# projections. It trains each `TRACE` steps under one launch config, with the job's own
-# model building, sharding, step and tensor trace, in one process group (ten jobs would pay
-# DeepSpeed's start-up ten times), and writes a run directory per family. We sweep the aligned
-# pair, then Qwen2 and Llama once more under `zero3.json` without
-# `memory_efficient_linear: false`, the default a user's own JSON has. <!-- fact: deepspeed.zero3_swaps_linear --> (`GUIDE_SIZE=quick`
-# sweeps four families.)
+# Is parity a property of the tiny Llama only? `python -m helpers.switch` answers it for any
+# model: it translates a config to the other backend, runs both jobs in one launch with tensor and
+# activation traces, prints the settings the two runs used side by side, and says whether they
+# are identical. If they are not, it names the first module whose output differs and the known
+# cause. `--families` runs it over the guide's tiny configs (`helpers.core.families`, what `--model`
+# takes) of causal-LM families transformers builds from a config <!-- fact: transformers.causal_lm_families -->:
+# biases or none, tied embeddings, grouped-query, multi-query and latent attention, three mixtures of
+# experts, and Gemma-2's soft-capped attention, which has no sdpa and runs eager
+# <!-- fact: transformers.sdpa_needs_class_support -->. Then Qwen2 and Llama once more under
+# `zero3.json` without `memory_efficient_linear: false`, the default a user's own JSON has
+# <!-- fact: deepspeed.zero3_swaps_linear -->. (`GUIDE_SIZE=quick` sweeps four families.)
 
 # %%
 from helpers.core.families import FAMILIES, KNOWN_EXCEPTIONS  # noqa: E402
 
 facts.show("deepspeed.zero3_no_sync_refused")
 
-SWEEP = list(FAMILIES) if SIZE == "full" else ["llama", "qwen2", "gpt2", "gemma"]
+SWEEP = list(FAMILIES) if SIZE == "full" else ["llama", "qwen2", "gemma2", "olmo2"]
 os.environ["SWEEP"] = ",".join(SWEEP)
 default_linear = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
 del default_linear["zero_optimization"]["memory_efficient_linear"]
@@ -528,53 +530,70 @@ _ = (cfg / "zero3_default_linear.yaml").write_text(
     "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: zero3_default_linear.json\n")
 
 # %% language="bash"
-# for mode in fsdp/full_shard deepspeed/zero3; do
-#     torchrun --standalone --nproc_per_node $NPROC -m helpers.families --config launch_configs/$mode.yaml \
-#         --out notebooks/runs/02_families_$(basename $mode) --steps $TRACE --families $SWEEP > /dev/null \
-#         && echo "$(basename $mode): trained $SWEEP" || echo "$(basename $mode): failed"
-# done
-# torchrun --standalone --nproc_per_node $NPROC -m helpers.families --config notebooks/runs/02_configs/zero3_default_linear.yaml \
-#     --out notebooks/runs/02_families_default_linear --steps $TRACE --families llama,qwen2 > /dev/null \
-#     && echo "zero3, default linear: trained llama,qwen2" || echo "zero3, default linear: failed"
-# python -m helpers.compare notebooks/runs/02_families_full_shard/qwen2 notebooks/runs/02_families_default_linear/qwen2
-# echo "exit status $? (0: identical, 1: they differ)"
+# python -m helpers.switch --config launch_configs/fsdp/full_shard.yaml --families $SWEEP --steps $TRACE \
+#     --nproc $NPROC --out notebooks/runs/02_switch > notebooks/runs/02_switch.txt
+# echo "exit status $? (0: all identical, 1: some differ)"
+# sed -n '/^settings/,/^$/p' notebooks/runs/02_switch.txt | head -12     # the settings table, differences first
+# sed -n '/^olmo2: differs/,/reproduced by/p' notebooks/runs/02_switch.txt  # a family that parts, traced
+# python -m helpers.switch --config launch_configs/fsdp/full_shard.yaml --steps $TRACE --nproc $NPROC \
+#     --to notebooks/runs/02_configs/zero3_default_linear.yaml --families llama,qwen2 \
+#     --out notebooks/runs/02_switch_default_linear | sed -n '/^qwen2: differs/,/reproduced by/p'
 
 # %%
 import pandas as pd  # noqa: E402
 
+switched = json.loads(Path("notebooks/runs/02_switch/switch.json").read_text())["models"]
 rows = []
 for name in SWEEP:
-    r = compare.compare(f"notebooks/runs/02_families_full_shard/{name}", f"notebooks/runs/02_families_zero3/{name}")
+    r = switched[name]
     rows.append({"family": name, "model_type": FAMILIES[name][0]["model_type"],  # fact: transformers.causal_lm_families
                  "what it adds": FAMILIES[name][1],  # fact: transformers.family_config_defaults
-                 "bit-identical": r.identical and r.tensor is None,
-                 "known exception": KNOWN_EXCEPTIONS.get(name, "")})
+                 "bit-identical": r["identical"],
+                 "first differing module": r["module"] and f"{r['module']['phase']} {r['module']['module']}",
+                 "cause found": ",".join(c["key"] for c in r["causes"])})
 family_table = pd.DataFrame(rows).set_index("family")
-print(family_table.to_string())
-broken = [n for n, row in family_table.iterrows() if not row["bit-identical"] and n not in KNOWN_EXCEPTIONS]
+print(family_table.drop(columns="what it adds").to_string())
+broken = [n for n, row in family_table.iterrows()
+          if not row["bit-identical"] and row["cause found"] != KNOWN_EXCEPTIONS.get(n)]
+listed_but_same = [n for n in SWEEP if n in KNOWN_EXCEPTIONS and family_table.loc[n, "bit-identical"]]
 if nb.bitwise_parity_expected(NPROC):  # a CPU; on a GPU the sweep's jobs do not run --deterministic
-    claim("every family swept is bit-identical under the shipped aligned pair, or a known exception listed with its "
-          "cause", not broken, not_identical_unexplained=broken)
+    claim("every family swept is bit-identical under the shipped aligned pair, except the known exceptions, for "
+          "which switch finds the listed cause", not broken and not listed_but_same,
+          unexplained=broken, listed_but_identical=listed_but_same)
+    olmo = switched["olmo2"]
+    claim("OLMo-2 parts in the forward of step 0, first at layer 0's o_proj, cause: FSDP casts unit inputs",
+          olmo["module"] is not None and (olmo["module"]["step"], olmo["module"]["phase"], olmo["module"]["module"])
+          == (0, "forward", "model.layers.0.self_attn.o_proj")
+          and [c["key"] for c in olmo["causes"]] == ["fsdp_casts_unit_inputs"], module=olmo["module"])
 else:
     print("on a GPU without --deterministic, bit-identity is not expected: the table is shown, not checked")
-qwen = compare.compare("notebooks/runs/02_families_full_shard/qwen2", "notebooks/runs/02_families_default_linear/qwen2")
-llama_default = compare.compare("notebooks/runs/02_families_full_shard/llama",
-                                "notebooks/runs/02_families_default_linear/llama")
-claim("under DeepSpeed's default linear Qwen2 parts at step 1, first at the local gradient of step 1",
-      qwen.first_step == 1 and qwen.tensor is not None and (qwen.tensor.step, qwen.tensor.stage) == (1, "grad_local"),
-      first_loss_step=qwen.first_step, tensor=None if qwen.tensor is None else (
-          qwen.tensor.step, qwen.tensor.stage, qwen.tensor.dtype_a, qwen.tensor.dtype_b))
-claim("Llama, without biases, stays identical under the same default",
-      llama_default.identical and llama_default.tensor is None)
+claim("Gemma-2 trained with eager attention on both backends", [json.loads(
+    Path(f"notebooks/runs/02_switch/runs/gemma2/{side}/summary.json").read_text())["attn_implementation"]
+    for side in "ab"] == ["eager", "eager"])
+dl = json.loads(Path("notebooks/runs/02_switch_default_linear/switch.json").read_text())["models"]
+qwen, llama_default = dl["qwen2"], dl["llama"]
+claim("under DeepSpeed's default linear Qwen2 parts at step 1: same weights, different local gradients, first in "
+      "the forward at a Linear, cause: ZeRO-3's memory_efficient_linear",
+      qwen["first_step"] == 1 and (qwen["tensor"]["step"], qwen["tensor"]["stage"]) == (1, "grad_local")
+      and qwen["module"]["phase"] == "forward" and qwen["module"]["cls"] == "Linear"
+      and [c["key"] for c in qwen["causes"]] == ["zero3_memory_efficient_linear"],
+      tensor=qwen["tensor"], module=qwen["module"])
+claim("Llama, without biases, stays identical under the same default", llama_default["identical"])
 
 # %% [markdown]
-# On this CPU every family swept is bit-identical under the shipped aligned pair, every weight, gradient
-# and update included (the table; an exception would be listed there with its cause). Under
-# DeepSpeed's default linear, Qwen2 parts at step 1 <!-- fact: deepspeed.zero3_linear_adds_bias_after -->: at step 1 the weights are still identical,
-# and the first thing that differs is the local gradient, the sign of a forward or backward
-# computed differently, here the bias added in a second rounding, which only matters once the
-# zero-initialised biases have moved. Llama, without biases, stays identical under the same
-# default.
+# On this CPU every family swept is bit-identical under the shipped aligned pair, every weight,
+# gradient, update and module output included, except OLMo-2. Its rotary embedding returns cos and
+# sin in fp32 <!-- fact: transformers.olmo2_rotary_fp32 -->, and FSDP2 casts every unit's inputs to
+# bf16 before the unit runs <!-- fact: torch.fsdp2_casts_unit_inputs -->, so its layers rotate
+# queries and keys with bf16 angles under FSDP and fp32 ones under DeepSpeed. The trace's first
+# differing module is `o_proj`, right after the attention (the attention is a function, not a
+# module). Neither side is wrong; they differ, and `switch` says where. Under DeepSpeed's default
+# linear, Qwen2 parts at step 1 <!-- fact: deepspeed.zero3_linear_adds_bias_after -->: the weights
+# are still identical, the first module output that differs is a biased `Linear`, its bias added in
+# a second rounding, which only matters once the zero-initialised biases have moved. Llama, without
+# biases, stays identical under the same default. The same command takes your config and your
+# model's `config.json`; `--shrink` brings a 7B architecture down to laptop size
+# ([docs/switching.md](../docs/switching.md)).
 #
 # ## Recap
 #
@@ -593,7 +612,7 @@ print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.
       f"--grad-accum 2 differs by up to {acc_gap.max():.1e}")
 print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.dtype_b}); implicit clip -> "
       f"step {c.step} {c.stage}; families bit-identical: {int(family_table['bit-identical'].sum())} of {len(SWEEP)}; "
-      f"Qwen2 with DeepSpeed's default linear parts at step {qwen.first_step}")
+      f"Qwen2 with DeepSpeed's default linear parts at step {qwen['first_step']}")
 
 # %% [markdown]
 # * At a small rate, the bf16-only FSDP mode stalls while aligned FSDP and DeepSpeed train:
@@ -605,7 +624,8 @@ print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.d
 # * The dtypes read from the live jobs confirm the seeds' table for what the optimizer
 #   updates and its states, and add what the table leaves out: DeepSpeed's bf16 shard,
 #   bf16 gradient reductions. <!-- fact: deepspeed.zero3_bf16_dtypes -->
-# * Aligned FSDP and DeepSpeed are identical step for step, for every model family swept; a
+# * Aligned FSDP and DeepSpeed are identical step for step, for every model family swept but
+#   OLMo-2 (FSDP casts its fp32 rotary angles to bf16; `helpers.switch` names the module); a
 #   DeepSpeed default left implicit (clipping at 1.0, ZeRO-3's own linear for biased layers) <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> is
 #   enough to make them drift. Gradient accumulation agrees closely but not bitwise: the
 #   backends reduce and accumulate in a different order. <!-- fact: deepspeed.zero3_adds_reduced_grads -->

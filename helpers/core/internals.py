@@ -156,11 +156,25 @@ def dcp_empty_load_planner():
 
 
 # --------------------------------------------------------------------------- transformers, Accelerate
-@reads("transformers", *on("transformers:PreTrainedConfig.", "_attn_implementation", "_attn_implementation_internal"))
-def default_attn_implementation(cfg, impl: str) -> None:
-    """Set ``cfg``'s attention implementation unless its config.json chose one. For core.models (sdpa)."""
+@reads("transformers", *on("transformers:PreTrainedConfig.", "_attn_implementation",
+                           "_attn_implementation_internal"), "transformers:PreTrainedModel._supports_sdpa",
+       "transformers.models.auto.modeling_auto:MODEL_FOR_CAUSAL_LM_MAPPING")
+def default_attn_implementation(cfg) -> str:
+    """Set ``cfg``'s attention implementation unless its config.json chose one: sdpa where the model class supports
+    it, else eager (transformers refuses sdpa for a class whose ``_supports_sdpa`` is False: fact
+    transformers.sdpa_needs_class_support). Returns the implementation the model will use. For core.models."""
     if getattr(cfg, "_attn_implementation_internal", None) is None:
-        cfg._attn_implementation = impl
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+        cfg._attn_implementation = "sdpa" if cls is None or cls._supports_sdpa else "eager"
+    return cfg._attn_implementation
+
+
+@reads("transformers", "transformers:PreTrainedConfig._attn_implementation")
+def attn_implementation(model) -> str | None:
+    """The attention implementation a built model runs. For job.observe.settings."""
+    return getattr(model.config, "_attn_implementation", None)
 
 
 @reads("transformers", "transformers:PreTrainedModel._no_split_modules")

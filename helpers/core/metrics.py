@@ -19,6 +19,9 @@ A job started with ``--out DIR`` writes, from rank 0 only:
     Only with ``--trace-tensors``: per step, an exact fingerprint and the dtype of every
     parameter's weight, local and reduced gradient and update (helpers.job.observe.tensor_trace), which
     ``python -m helpers.compare`` reads.
+``DIR/activation_trace.jsonl``
+    Only with ``--trace-activations``: per step, rank and micro-batch, an exact fingerprint of every module's
+    output and of the gradient reaching it (helpers.job.observe.activation_trace); helpers.compare reads it.
 ``DIR/error_rank{r}.txt``
     Written by rank ``r`` (any rank) when it fails, times out or is stopped:
     reason, step, where, traceback. Rank 0 reads them to name the failed rank.
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 
 TRACE_FILE = "tensor_trace.jsonl"  # --trace-tensors (helpers.job.observe.tensor_trace; helpers.compare reads it)
+ACTIVATION_FILE = "activation_trace.jsonl"  # --trace-activations (helpers.job.observe.activation_trace)
 STAGES = ("weight", "grad_local", "grad_reduced", "update")  # a traced step's stages, in the order it makes them
 WARMUP_STEPS = 2  # steps left out of the summary's step time (see SUMMARY_KEYS["step_time_s"])
 
@@ -132,6 +136,11 @@ SUMMARY_KEYS = {
     "audit": "the post-wrap audit (helpers.job.audit): passed, parameters, numel, trainable_numel, tied (the "
              "names that are one parameter, still one after wrapping) and dtypes (parameters per stored dtype, "
              "each the one the config asks for); null when the job failed before wrapping ended",
+    "attn_implementation": "the attention implementation the model runs: the config's choice, else sdpa where the "
+                           "model class supports it, else eager (helpers.core.models)",
+    "effective": "the settings the job ran with, read from its engine and optimizer (helpers.job.observe.settings): "
+                 "attention, optimizer and its hyperparameters, units, prefetch, clipping (max_norm, norm_dtype), "
+                 "accumulation, micro-batch, checkpoint format, offload, unit input casting",
     "activation_checkpointing": "null, or the one mechanism that recomputes activations, e.g. \"fsdp "
                                 "checkpoint_wrapper per LlamaDecoderLayer (2 blocks)\" or \"transformers "
                                 "gradient_checkpointing (2 blocks)\" (helpers.job.recompute)",

@@ -105,7 +105,7 @@ def model_config(spec: ModelSpec):
         cfg = AutoConfig.for_model(**raw)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise ModelSpecError(f"--model {spec.name!r}: cannot read {path}: {e}") from None
-    default_attn_implementation(cfg, "sdpa")
+    default_attn_implementation(cfg)  # sdpa where the family supports it, else eager; the job logs which
     return cfg
 
 

@@ -62,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace-tensors", action="store_true", help="exact fingerprint of every parameter's weight, "
                     "gradient (before and after reduction) and update per step into DIR/tensor_trace.jsonl "
                     "(helpers.job.observe.tensor_trace; python -m helpers.compare reads it)")
+    ap.add_argument("--trace-activations", action="store_true", help="exact fingerprint of every module's output "
+                    "and output gradient per step, rank and micro-batch into DIR/activation_trace.jsonl "
+                    "(helpers.job.observe.activation_trace): helpers.compare names the first module that differs")
     ap.add_argument("--peft", help="LoRA fine-tuning: a LoRA config as PEFT writes it (adapter_config.json, a "
                     "directory holding one, or a JSON file with its keys); the base is frozen, only the adapter "
                     "trains, and checkpoints also hold it in PEFT's format (helpers.job.lora)")

@@ -39,8 +39,8 @@ def checkpointing_notes(job, spec) -> list[str]:
 
 
 def check_observers(job, spec, args) -> None:
-    """Bad --profile / --trace-tensors / --memory-budget-gib / wrap-policy input is refused before any rank starts
-    (ConfigError)."""
+    """Bad --profile / --trace-tensors / --trace-activations / --memory-budget-gib / wrap-policy input is refused
+    before any rank starts (ConfigError)."""
     import torch
 
     from helpers.core.config import ConfigError
@@ -52,12 +52,13 @@ def check_observers(job, spec, args) -> None:
     if args.profile and job.train.steps < MIN_STEPS:
         raise ConfigError(f"--steps = {job.train.steps}: --profile records steps after warm-up and needs "
                           f"--steps >= {MIN_STEPS}")
-    if args.trace_tensors:
-        from helpers.job.observe.tensor_trace import check
+    for flag, module in (("trace_tensors", "tensor_trace"), ("trace_activations", "activation_trace")):
+        if getattr(args, flag):
+            import importlib
 
-        why = check(job)
-        if why:
-            raise ConfigError(f"{job.source}: {why}")
+            why = importlib.import_module(f"helpers.job.observe.{module}").check(job)
+            if why:
+                raise ConfigError(f"{job.source}: {why}")
     if job.backend == "fsdp":
         from helpers.job.wrap import check_wrap_policy
 

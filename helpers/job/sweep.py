@@ -5,7 +5,7 @@
 
 Each family is one job through the job's own phases (helpers.job.run: validate, start, the guard and its
 ``--timeout``, the observers, ``--trace-tensors``), at tiny width (micro-batch 2, sequence 16), writing
-``OUT/NAME`` like any job (config.json, metrics.jsonl, summary.json, tensor_trace.jsonl), so
+``OUT/NAME`` like any job (config.json, metrics.jsonl, summary.json, tensor_trace.jsonl, activation_trace.jsonl), so
 ``python -m helpers.compare`` reads them. Only the process group is shared: a job per family would pay
 torchrun's and DeepSpeed's start-up ten times. Rank 0 prints one line per family (its losses). Other
 ``helpers.train`` flags (``--timeout``, ``--model-dtype``, ...) pass through to every family's job.
@@ -35,7 +35,8 @@ from helpers.job.state import env_int
 def family_args(config: str, out: Path, name: str, steps: int, extra: list[str]) -> list[str]:
     """The helpers.train command line of one family's job."""
     return ["--config", config, "--out", str(out / name), "--model", str(out / "configs" / f"{name}.json"),
-            "--steps", str(steps), "--micro-batch", "2", "--seq-len", "16", "--trace-tensors", *extra]
+            "--steps", str(steps), "--micro-batch", "2", "--seq-len", "16", "--trace-tensors", "--trace-activations",
+            *extra]
 
 
 def main(argv=None) -> int:
@@ -75,6 +76,32 @@ def _refuse(rank: int, msg: str) -> None:
     raise Refused(msg)
 
 
+def run_jobs(jobs: list[tuple[str, list[str]]]) -> dict[str, dict]:
+    """Each (name, helpers.train argv) checked first (a refused one costs no start-up and is skipped), then run
+    one after the other in one process group. Returns {name: {"verdict": "trained", "losses", "notes"} or
+    {"verdict": "refused", "why"}}. A job that starts and then fails ends the sweep as it ends a job."""
+    from helpers.job.run import parse_args, run, start, validate
+
+    verdicts, ready = {}, []
+    for name, argv_job in jobs:  # every check before the process group
+        try:
+            ready.append((name, validate(parse_args(argv_job), refuse=_refuse)))
+        except Refused as e:
+            verdicts[name] = {"verdict": "refused", "why": str(e)}
+    for i in range(len(ready)):
+        name, s = ready[i]
+        ready[i] = None  # this job's model and engine go once it ends: the next job's peaks are its own
+        start(s)
+        if s.rank == 0:
+            print(f"{name}: starting", flush=True)  # a job that then fails is the last one named
+        with contextlib.redirect_stdout(io.StringIO()):  # each job's lines are in its log.txt; errors still show
+            run(s, join=i == 0, leave=i == len(ready) - 1)
+        verdicts[name] = {"verdict": "trained", "losses": s.summary["losses"], "notes": s.job.notes}
+        del s
+        gc.collect()
+    return verdicts
+
+
 def variants_main(argv=None) -> int:
     import json
 
@@ -89,27 +116,10 @@ def variants_main(argv=None) -> int:
     if not configs:
         print(f"error: {args.dir}: no *.yaml launch configs there", file=sys.stderr)
         return 2
-    from helpers.job.run import parse_args, run, start, validate
-
-    out, verdicts, ready = Path(args.out), {}, []
-    for cfg in configs:  # every check before the process group: a refused config costs no start-up
-        argv_job = ["--config", str(cfg), "--out", str(out / cfg.stem), "--model", args.model, "--steps",
-                    str(args.steps), "--micro-batch", "2", "--seq-len", "16", *extra]
-        try:
-            ready.append((cfg.stem, validate(parse_args(argv_job), refuse=_refuse)))
-        except Refused as e:
-            verdicts[cfg.stem] = {"verdict": "refused", "why": str(e)}
-    for i in range(len(ready)):
-        name, s = ready[i]
-        ready[i] = None  # this job's model and engine go once it ends: the next job's peaks are its own
-        start(s)
-        if s.rank == 0:
-            print(f"{name}: starting", flush=True)  # a config that then fails is the last one named
-        with contextlib.redirect_stdout(io.StringIO()):  # each job's lines are in its log.txt; errors still show
-            run(s, join=i == 0, leave=i == len(ready) - 1)
-        verdicts[name] = {"verdict": "trained", "losses": s.summary["losses"], "notes": s.job.notes}
-        del s
-        gc.collect()
+    out = Path(args.out)
+    verdicts = run_jobs([(cfg.stem, ["--config", str(cfg), "--out", str(out / cfg.stem), "--model", args.model,
+                                     "--steps", str(args.steps), "--micro-batch", "2", "--seq-len", "16", *extra])
+                         for cfg in configs])
     if env_int("RANK", 0) == 0:
         for name in sorted(verdicts):
             v = verdicts[name]

@@ -188,3 +188,42 @@ gpu_fact("torch.fsdp2_offload_copies_to_gpu",
          "(forward, and again for backward after resharding) and reduced gradients back to the host.",
          "torch", V, FSDP + "_fsdp_param.py: FSDPParam.all_gather_inputs; _fsdp_collectives.py: foreach_reduce",
          "host-to-device copies exist only with an accelerator")
+
+
+@fact("torch.fsdp2_casts_unit_inputs",
+      "FSDP2's MixedPrecisionPolicy casts the floating-point positional and keyword inputs of every fully_shard "
+      "unit to param_dtype before its forward (cast_forward_inputs defaults to True, and Accelerate does not set "
+      "it): an fp32 tensor passed to a bf16 unit arrives in bf16.",
+      "torch", V, FSDP + "_fsdp_api.py: MixedPrecisionPolicy; _fsdp_state.py: FSDPState._pre_forward",
+      runs=True)
+def _casts_unit_inputs():
+    import dataclasses
+
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    seen = {}
+
+    class Unit(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, scale=None):
+            seen["x"], seen["scale"] = x.dtype, scale.dtype
+            return self.lin(x)
+
+    class Root(torch.nn.Module):  # makes an fp32 tensor outside the unit, as a model's rotary embedding does
+        def __init__(self):
+            super().__init__()
+            self.unit = Unit()
+
+        def forward(self, x):
+            return self.unit(x, scale=torch.ones(4))
+
+    bf16 = torch.bfloat16
+    root = fsdp2(Root(), mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16))
+    root(torch.ones(2, 4))
+    default = {f.name: f.default for f in dataclasses.fields(MixedPrecisionPolicy)}["cast_forward_inputs"]
+    ev = {k: str(v).removeprefix("torch.") for k, v in seen.items()} | {"cast_forward_inputs default": default}
+    return seen == {"x": bf16, "scale": bf16} and default is True, ev

@@ -8,12 +8,14 @@ from __future__ import annotations
 from .. import fact
 
 V = "5.23.0"
-FAMILY_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox", "starcoder2"]
+FAMILY_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox", "starcoder2", "mixtral",
+                "qwen2_moe", "deepseek_v3", "gemma2", "gemma3_text", "olmo2", "phi", "cohere", "gpt_bigcode", "opt"]
 
 
 @fact("transformers.causal_lm_families",
       "transformers builds a causal LM from a config (AutoModelForCausalLM.from_config) for every model_type the "
-      "guide's ten families use: llama, mistral, qwen2, qwen3, gemma, phi3, gpt2, gpt_neox, starcoder2.",
+      "guide's twenty families use: llama, mistral, qwen2, qwen3, gemma, phi3, gpt2, gpt_neox, starcoder2, mixtral, "
+      "qwen2_moe, deepseek_v3, gemma2, gemma3_text, olmo2, phi, cohere, gpt_bigcode, opt.",
       "transformers", V, "models/auto/modeling_auto.py: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
 def _families():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as names
@@ -56,3 +58,50 @@ def _defaults():
           "starcoder2 use_bias": s.use_bias}
     return (g.tie_word_embeddings is True and n.use_parallel_residual is True and rotary == 0.25
             and n.attention_bias is True and s.use_bias is True), ev
+
+
+def _tiny(model_type: str, **extra):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64, **extra)
+    return cfg, AutoModelForCausalLM
+
+
+@fact("transformers.sdpa_needs_class_support",
+      "transformers refuses attn_implementation=\"sdpa\" for a model class whose _supports_sdpa is False (Gemma-2, "
+      "with its soft-capped attention, is one); left unset, it picks sdpa where supported, else eager.",
+      "transformers", V, "modeling_utils.py: PreTrainedModel._sdpa_can_dispatch, _check_and_adjust_attn_implementation")
+def _sdpa_support():
+    cfg, auto = _tiny("gemma2", head_dim=8)
+    cls = auto._model_mapping[type(cfg)]
+    cfg._attn_implementation = "sdpa"
+    try:
+        auto.from_config(cfg)
+        refused = False
+    except ValueError as e:
+        refused = "does not support" in str(e)
+    default = auto.from_config(_tiny("gemma2", head_dim=8)[0]).config._attn_implementation
+    llama = auto.from_config(_tiny("llama")[0]).config._attn_implementation
+    ev = {"Gemma2 _supports_sdpa": cls._supports_sdpa, "sdpa refused": refused, "gemma2 default": default,
+          "llama default": llama}
+    return cls._supports_sdpa is False and refused and default == "eager" and llama == "sdpa", ev
+
+
+@fact("transformers.olmo2_rotary_fp32",
+      "Olmo2's rotary embedding returns its cos and sin in fp32 for a bf16 model (Llama's returns them in the "
+      "model's dtype); the decoder layers receive them as an argument.",
+      "transformers", V, "models/olmo2/modeling_olmo2.py: Olmo2RotaryEmbedding.forward, apply_rotary_pos_emb")
+def _olmo2_rotary():
+    import torch
+
+    out = {}
+    for t in ("olmo2", "llama"):
+        cfg, auto = _tiny(t)
+        m = auto.from_config(cfg).to(torch.bfloat16)
+        x = m.model.embed_tokens(torch.zeros(1, 4, dtype=torch.long))
+        cos, sin = m.model.rotary_emb(x, torch.arange(4)[None])
+        out[t] = str(cos.dtype).removeprefix("torch.")
+    return out == {"olmo2": "float32", "llama": "bfloat16"}, out

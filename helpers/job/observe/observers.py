@@ -14,11 +14,13 @@ import torch.distributed as dist
 from helpers.core.metrics import summarize_steps
 from helpers.job.checkpoint import param_shapes, save
 from helpers.job.loading import LoadMonitor, mismatches
+from helpers.job.observe.activation_trace import ActivationTracer
 from helpers.job.observe.base import Observer, Observers, gather
 from helpers.job.observe.memory_observers import Memory, MemoryBudget, TensorPeak
 from helpers.job.observe.precision import DtypeProbe, UpdateTracker
 from helpers.job.observe.profiling import StepProfiler
 from helpers.job.observe.progress import Progress
+from helpers.job.observe.settings import Settings
 from helpers.job.observe.tensor_trace import TensorTracer
 from helpers.job.observe.throughput import compute_dtype, device_peak, flops_per_token, fmt_flops, summary_keys
 
@@ -29,8 +31,9 @@ if TYPE_CHECKING:
 def default_observers(s: JobState) -> Observers:
     """The guide's measurements; their hooks run in this order (and so do their log lines), providers first."""
     traces = [TensorTraces()] if s.args.trace_tensors else []
+    traces += [ActivationTraces()] if s.args.trace_activations else []
     return Observers([Throughput(), Loading(), Memory(), TensorPeak(), MemoryBudget(s.args.memory_budget_gib),
-                      Dtypes(), Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(),
+                      Dtypes(), Settings(), Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(),
                       Checkpoints()])
 
 
@@ -195,6 +198,24 @@ class TensorTraces(Observer):
                   "tracer's copy of every weight shard, held across each optimizer step, and its fingerprint "
                   "temporaries; measure peaks without it")
         self.tracer.on_train_begin(s.engine)
+
+    def on_step_begin(self, s, step):
+        self.tracer.on_step_begin(step)
+
+    def on_step_end(self, s, step, row):
+        self.tracer.on_step_end(step)
+
+    def on_train_end(self, s):
+        self.tracer.on_train_end()
+
+
+class ActivationTraces(Observer):
+    """``--trace-activations``: exact per-step fingerprints of every module's output and output gradient, per rank
+    and micro-batch (helpers.job.observe.activation_trace; gathered to rank 0 at each step's end)."""
+
+    def on_train_begin(self, s):
+        self.tracer = ActivationTracer(s.args.out, s.rank)
+        self.tracer.on_train_begin(s.engine.module)
 
     def on_step_begin(self, s, step):
         self.tracer.on_step_begin(step)

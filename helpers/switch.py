@@ -187,6 +187,7 @@ def main(argv=None) -> int:
             raise SwitchError(f"--config {args.config}: no such file")
         out = Path(args.out or Path("runs/switch") / f"{Path(args.config).stem}_{Path(args.model or 'families').stem}")
         out.mkdir(parents=True, exist_ok=True)
+        (out / "switch.json").unlink(missing_ok=True)  # a stale verdict never outlives a failed run
         a, b, warnings = configs(args.config, args.to, out)
         labels, changes = models(args.model, args.families, args.shrink, out)
         if changes:

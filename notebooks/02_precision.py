@@ -549,7 +549,7 @@ for name in SWEEP:
     rows.append({"family": name, "model_type": FAMILIES[name][0]["model_type"],  # fact: transformers.causal_lm_families
                  "what it adds": FAMILIES[name][1],  # fact: transformers.family_config_defaults
                  "bit-identical": r["identical"],
-                 "first differing module": r["module"] and f"{r['module']['phase']} {r['module']['module']}",
+                 "first differing module": f"{r['module']['phase']} {r['module']['module']}" if r["module"] else "",
                  "cause found": ",".join(c["key"] for c in r["causes"])})
 family_table = pd.DataFrame(rows).set_index("family")
 print(family_table.drop(columns="what it adds").to_string())

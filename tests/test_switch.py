@@ -107,3 +107,16 @@ def test_the_readme_and_docs_name_the_command():
     text = (REPO / "docs" / "switching.md").read_text()
     assert "python -m helpers.switch" in text and all(c.key in text for c in CAUSES)
     assert "docs/switching.md" in Path(REPO / "README.md").read_text()
+
+
+def test_a_sweep_undoes_deepspeeds_process_wide_linear_after_each_job():
+    """ZeRO-3 (memory_efficient_linear) swaps torch.nn.functional.linear for the whole process; in a sweep the next
+    job, FSDP's too, would compute with it. helpers.switch runs A then B per model: each job gets torch's own."""
+    import torch
+
+    from helpers.job.sweep import one_job_only
+
+    torch_linear = torch.nn.functional.linear
+    with one_job_only():
+        torch.nn.functional.linear = lambda *a, **k: None  # what a ZeRO-3 job leaves behind
+    assert torch.nn.functional.linear is torch_linear

@@ -61,11 +61,25 @@ def main(argv=None) -> int:
     for i, name in enumerate(names):
         s = validate(parse_args(family_args(args.config, out, name, args.steps, extra)))
         start(s)
-        with contextlib.redirect_stdout(io.StringIO()):  # each job's lines are in its log.txt; errors still show
+        with contextlib.redirect_stdout(io.StringIO()), one_job_only():  # each job's lines are in its log.txt
             run(s, join=i == 0, leave=i == len(names) - 1)
         if s.rank == 0:
             print(f"{name}: losses {s.summary['losses']}", flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def one_job_only():
+    """Undo, after a job, what it changed process-wide: ZeRO-3 with memory_efficient_linear replaces
+    torch.nn.functional.linear for the whole process (fact deepspeed.zero3_swaps_linear), and the next job of a
+    sweep, FSDP's included, would compute with DeepSpeed's linear."""
+    import torch
+
+    linear = torch.nn.functional.linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = linear
 
 
 class Refused(ValueError):
@@ -94,7 +108,7 @@ def run_jobs(jobs: list[tuple[str, list[str]]]) -> dict[str, dict]:
         start(s)
         if s.rank == 0:
             print(f"{name}: starting", flush=True)  # a job that then fails is the last one named
-        with contextlib.redirect_stdout(io.StringIO()):  # each job's lines are in its log.txt; errors still show
+        with contextlib.redirect_stdout(io.StringIO()), one_job_only():  # each job's lines are in its log.txt
             run(s, join=i == 0, leave=i == len(ready) - 1)
         verdicts[name] = {"verdict": "trained", "losses": s.summary["losses"], "notes": s.job.notes}
         del s

@@ -61,11 +61,13 @@ class ActivationDiff:
     cls: str  # the module's class
     dtype_a: str
     dtype_b: str
+    biased: bool = False  # the module has a bias parameter
 
     def line(self) -> str:
         what = "output" if self.phase == "forward" else "output gradient"
         return (f"first differing module: step {self.step} rank {self.rank} micro-batch {self.micro}, {self.phase}: "
-                f"{what} of {self.module} ({self.cls}): {self.dtype_a} vs {self.dtype_b}")
+                f"{what} of {self.module} ({self.cls}{', with a bias' if self.biased else ''}): {self.dtype_a} vs "
+                f"{self.dtype_b}")
 
 
 HINTS = {  # what a first difference at each stage says about where the two runs part
@@ -92,6 +94,7 @@ class Comparison:
     untraced: int = 0  # parameters without a gradient (a frozen base): their tensors are not in the traces
     module: ActivationDiff | None = None  # first differing module output, when both runs traced activations
     activations: tuple[bool, bool] = (False, False)
+    coverage: tuple[int, int, int] = (0, 0, 0)  # activation records compared (forward, backward), on one side only
 
     @property
     def identical(self) -> bool:
@@ -118,7 +121,10 @@ class Comparison:
         if self.module is not None:
             lines.append(self.module.line())
         elif all(self.activations):
-            lines.append("activation traces: every module output and output gradient identical")
+            n_fwd, n_bwd, one_side = self.coverage
+            only = f"; {one_side} only on one side" if one_side else ""
+            lines.append(f"activation traces: every module output and output gradient identical ({n_fwd} forward and "
+                         f"{n_bwd} backward records compared{only})")
         elif not self.identical:
             lines.append("no activation trace in both runs: run them with --trace-activations to name the module")
         return "\n".join(lines)
@@ -177,11 +183,14 @@ def first_tensor_diff(a: Path, b: Path, steps: list[int]) -> TensorDiff | None:
     return None
 
 
-def first_activation_diff(a: Path, b: Path, steps: list[int]) -> ActivationDiff | None:
+def first_activation_diff(a: Path, b: Path, steps: list[int], coverage: list | None = None) -> ActivationDiff | None:
     """The first (step, rank, micro-batch, phase, module) whose output fingerprint differs in the two traces:
-    the forward before the backward, modules in the order the traces met them."""
+    the forward before the backward, modules in the order the traces met them. ``coverage``, when given, gets
+    [forward, backward, one-sided] record counts of what was compared (a record one side lacks is not)."""
+    coverage = coverage if coverage is not None else [0, 0, 0]
     ra, rb = _read_jsonl(a / ACTIVATION_FILE, ACTIVATION_FILE), _read_jsonl(b / ACTIVATION_FILE, ACTIVATION_FILE)
     classes = ra[0].get("modules", {}) if ra else {}
+    biased = set(ra[0].get("biased", [])) if ra else set()
     ta = {r["step"]: r["ranks"] for r in ra if "step" in r}
     tb = {r["step"]: r["ranks"] for r in rb if "step" in r}
     for step in steps:
@@ -189,12 +198,16 @@ def first_activation_diff(a: Path, b: Path, steps: list[int]) -> ActivationDiff 
             continue
         for rank, (ma, mb) in enumerate(zip(ta[step], tb[step], strict=False)):
             for micro, (xa, xb) in enumerate(zip(ma, mb, strict=False)):
-                for phase in ("forward", "backward"):
+                for k, phase in enumerate(("forward", "backward")):
                     fb = {n: (fp, dt) for n, fp, dt in xb[phase]}
+                    shared = sum(n in fb for n, _, _ in xa[phase])
+                    coverage[k] += shared
+                    coverage[2] += len(xa[phase]) + len(fb) - 2 * shared
                     for name, fp, dt in xa[phase]:
                         if name in fb and fb[name][0] != fp:
-                            return ActivationDiff(step, rank, micro, phase, name,
-                                                  classes.get(name.split("#")[0], "?"), dt, fb[name][1])
+                            base = name.split("#")[0]
+                            return ActivationDiff(step, rank, micro, phase, name, classes.get(base, "?"), dt,
+                                                  fb[name][1], base in biased)
     return None
 
 
@@ -221,7 +234,9 @@ def compare(a: str | Path, b: str | Path) -> Comparison:
         out.untraced = sum(rec["weight"][1] is None for rec in first.values())
     out.activations = ((a / ACTIVATION_FILE).is_file(), (b / ACTIVATION_FILE).is_file())
     if all(out.activations):
-        out.module = first_activation_diff(a, b, common)
+        counts = [0, 0, 0]
+        out.module = first_activation_diff(a, b, common, counts)
+        out.coverage = tuple(counts)
     return out
 
 

@@ -7,11 +7,11 @@
 
 Translates A to the other backend (``helpers.translate``; ``--to B`` takes B as given), runs both jobs in one
 ``torchrun`` launch (one process group, every job through ``helpers.train``'s phases, on the GPUs if there are
-any, else on the CPU with gloo), each with ``--trace-activations`` and, where both backends can,
-``--trace-tensors``; then prints
+any, else on the CPU with gloo), each with ``--trace-activations`` and, where both configs can be traced,
+``--trace-tensors`` (helpers.job.observe.tensor_trace.check); then prints
 
 1. the settings the two runs used, side by side, differences first, read from their ``summary.json``
-   (``effective``, ``dtypes``, the bytes each rank held): what the config files asked for is not enough;
+   (``effective``, ``dtypes``, the bytes rank 0 held): what the config files asked for is not enough;
 2. the verdict: identical (losses, gradient norms and every traced tensor, bit for bit), or the first
    differing step and tensor (``helpers.compare``);
 3. when they part, the first module whose output (forward) or output gradient (backward) differs, and the
@@ -112,15 +112,19 @@ def _builds(cfg, model: str) -> None:
 # --------------------------------------------------------------------------- running both jobs
 
 
-def plan(a: str, b: str, labels: dict[str, str], out: Path, steps: int, extra: list[str]) -> list:
-    """[(name, helpers.train argv)]: for every model, A then B."""
+def plan(a: str, b: str, labels: dict[str, str], out: Path, steps: int, extra: list[str]) -> tuple[list, str | None]:
+    """([(name, helpers.train argv)]: for every model, A then B; why there are no tensor traces, or None)."""
     from helpers.core.config import load_job_config
     from helpers.job.observe.tensor_trace import check
 
-    tensors = ["--trace-tensors"] if not check(load_job_config(a)) and not check(load_job_config(b)) else []
-    return [(f"{label}/{side}", ["--config", cfg, "--out", str(out / "runs" / label / side), "--model", m,
+    if "--compile" in extra:
+        raise SwitchError("--compile: the switch traces every module eagerly (--trace-activations); drop --compile")
+    why = check(load_job_config(a)) or check(load_job_config(b))
+    tensors = [] if why else ["--trace-tensors"]
+    jobs = [(f"{label}/{side}", ["--config", cfg, "--out", str(out / "runs" / label / side), "--model", m,
                                  "--steps", str(steps), *SIZE, "--trace-activations", *tensors, *extra])
             for label, m in labels.items() for side, cfg in (("a", a), ("b", b))]
+    return jobs, why
 
 
 def launch(jobs: list, out: Path, nproc: int) -> dict:
@@ -194,11 +198,12 @@ def main(argv=None) -> int:
             print(f"shrunk: {'; '.join(changes)}", flush=True)
         for w in warnings:
             print(f"translation warning: {w}", flush=True)
-        launch(plan(a, b, labels, out, args.steps, extra), out, nproc)
+        jobs, untraced = plan(a, b, labels, out, args.steps, extra)
+        launch(jobs, out, nproc)
     except SwitchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return report(out, a, b, list(labels), warnings)
+    return report(out, a, b, list(labels), warnings, untraced)
 
 
 def argparse_hidden():

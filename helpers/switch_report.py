@@ -24,8 +24,8 @@ def settings(s: dict) -> dict[str, str]:
     rows = {"backend, mode": f"{s['backend']} {s['mode']}", "ranks": str(s["world_size"]),
             "mixed_precision": s["mixed_precision"], "tokens per step": str(s["tokens_per_step"])}
     dt = s.get("dtypes") or {}
-    for key in _DTYPES:
-        rows[f"dtype: {key}"] = str(dt.get(key) or "-")
+    for key in _DTYPES:  # "?": the job's dtype probe does not read this stage for this backend (ZeRO-0/1/2)
+        rows[f"dtype: {key}"] = str(dt.get(key) or ("-" if key == "master_param" and s["backend"] == "fsdp" else "?"))
     held = (s.get("memory_bytes") or [{}])[0]
     for cat, dkey in _STATES.items():
         n = held.get(cat)
@@ -38,19 +38,20 @@ def settings(s: dict) -> dict[str, str]:
     return rows
 
 
-def side_by_side(sa: dict, sb: dict) -> list[tuple[str, str, str, bool]]:
-    """(row, A, B, differs), the differing rows first."""
+def side_by_side(sa: dict, sb: dict) -> list[tuple[str, str, str, bool | None]]:
+    """(row, A, B, differs): True, False, or None when one side was not measured ("?"); differing rows first."""
     a, b = settings(sa), settings(sb)
     keys = list(dict.fromkeys([*a, *b]))
-    rows = [(k, a.get(k, "-"), b.get(k, "-"), a.get(k, "-") != b.get(k, "-")) for k in keys]
-    return [r for r in rows if r[3]] + [r for r in rows if not r[3]]
+    rows = [(k, a.get(k, "-"), b.get(k, "-"), None if "?" in (a.get(k), b.get(k)) else a.get(k, "-") != b.get(k, "-"))
+            for k in keys]
+    return [r for r in rows if r[3]] + [r for r in rows if r[3] is None] + [r for r in rows if r[3] is False]
 
 
 def table(rows, a_name: str, b_name: str) -> str:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(a_name), *(len(r[1]) for r in rows))
     lines = [f"  {'setting':<{w0}}  {a_name:<{w1}}  {b_name}"]
-    lines += [f"{'*' if d else ' '} {k:<{w0}}  {va:<{w1}}  {vb}" for k, va, vb, d in rows]
+    lines += [f"{'*' if d else '?' if d is None else ' '} {k:<{w0}}  {va:<{w1}}  {vb}" for k, va, vb, d in rows]
     return "\n".join(lines)
 
 
@@ -68,26 +69,36 @@ def _forward_before(run: Path, diff) -> list[tuple[str, str]]:
     return []
 
 
-def verdict(run_a: Path, run_b: Path) -> dict:
-    """compare's verdict on two runs, and the known causes that apply."""
+def _losses(run: Path) -> list:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def verdict(run_a: Path, run_b: Path, untraced: str | None = None) -> dict:
+    """compare's verdict on two runs, and the known causes that apply. ``untraced``: why the runs have no tensor
+    trace (said instead of compare's advice to take one)."""
     c = compare(run_a, run_b)
     sa, sb = (json.loads((r / "summary.json").read_text()) for r in (run_a, run_b))
-    out = {"identical": c.identical and c.tensor is None and c.module is None, "report": c.report(),
+    text = c.report()
+    if untraced:
+        text = "\n".join(f"tensor traces: not taken ({untraced})" if ln.startswith("no tensor trace in") else ln
+                         for ln in text.splitlines())
+    out = {"identical": c.identical and c.tensor is None and c.module is None, "steps": c.steps, "report": text,
            "first_step": c.first_step, "tensor": asdict(c.tensor) if c.tensor else None,
            "module": asdict(c.module) if c.module else None, "causes": [], "settings": side_by_side(sa, sb)}
     if not out["identical"]:
         before = _forward_before(run_a, c.module) if c.module else []
         ev = Evidence((sa, sb), c.tensor.stage if c.tensor else None, c.module.phase if c.module else None,
-                      c.module.cls if c.module else None, before)
+                      c.module.cls if c.module else None, bool(c.module and c.module.biased),
+                      c.module.step if c.module else None, _losses(run_a) == _losses(run_b), before)
         out["causes"] = [{"key": cause.key, "text": text, "test": cause.test} for cause, text in explain(ev)]
     return out
 
 
-def report(out: Path, a: str, b: str, labels: list[str], warnings: list[str]) -> int:
+def report(out: Path, a: str, b: str, labels: list[str], warnings: list[str], untraced: str | None = None) -> int:
     """Print the settings, then each model's verdict and cause; write OUT/switch.json; the exit status."""
-    results = {label: verdict(out / "runs" / label / "a", out / "runs" / label / "b") for label in labels}
+    results = {label: verdict(out / "runs" / label / "a", out / "runs" / label / "b", untraced) for label in labels}
     first = results[labels[0]]
-    print(f"settings, read from the two runs of {labels[0]} (* differs):\n"
+    print(f"settings, read from the two runs of {labels[0]} (* differs; ? not measured on one side):\n"
           + table(first["settings"], "A: " + Path(a).stem, "B: " + Path(b).stem))
     for label, r in results.items():
         head = f"{label}: " + ("identical" if r["identical"] else "differs")
@@ -95,7 +106,9 @@ def report(out: Path, a: str, b: str, labels: list[str], warnings: list[str]) ->
         for cause in r["causes"]:
             print(f"  known cause ({cause['key']}): {cause['text']}\n    reproduced by {cause['test']}")
         if not r["identical"] and not r["causes"]:
-            print("  no known cause: the first differing module above is where to look")
+            where = ("the first differing module above" if r["module"] else "the first differing tensor above"
+                     if r["tensor"] else "the settings that differ (* rows)")
+            print(f"  no known cause: {where} is where to look")
     (out / "switch.json").write_text(json.dumps({"a": a, "b": b, "translation_warnings": warnings,
                                                  "models": results}, indent=1))
     same = sum(r["identical"] for r in results.values())

@@ -37,7 +37,7 @@
 # "fixes" do; (3) the dtype of every stage, read from the live jobs, next to the seeds'
 # table; (4) how many weights each step really changes; (5) what the fp32 upcast costs in
 # memory; (6) which settings make the two backends identical, which defaults break it, where
-# `helpers.compare` says two runs part, and whether that holds for ten model families.
+# `helpers.compare` says two runs part, and whether that holds for twenty model families.
 
 # %%
 import json
@@ -207,9 +207,10 @@ claim("the one difference in what is stored: DeepSpeed's shard is bf16 where the
 # without it the column is null) counts, over every rank's shard, the share of
 # parameter elements whose value changed in a step, in the tensor the optimizer updates;
 # `updated_fraction_compute` counts the same after rounding to bf16, the weights the
-# forward pass uses. About a fifth of the elements never change in any mode: embedding rows
-# of tokens the data never uses get a zero gradient, and with weight decay 0 AdamW leaves
-# them unchanged. <!-- fact: torch.embedding_unused_rows_unchanged -->
+# forward pass uses. In the aligned run even the busiest step leaves about a fifth of the
+# elements unchanged: the embedding rows of tokens the data never uses get a zero gradient,
+# and with weight decay 0 AdamW leaves them unchanged. <!-- fact: torch.embedding_unused_rows_unchanged --> The next cell
+# counts those rows and compares.
 
 # %%
 fig, (left, right) = plots.plt.subplots(1, 2)
@@ -231,12 +232,17 @@ frac = {n: (mean_after_warmup(r, "updated_fraction"), mean_after_warmup(r, "upda
         for n, r in RUNS.items()}
 for n, (f, fc) in frac.items():
     print(f"{n:20s} changed per step: {f:6.1%} of the optimizer's tensor, {fc:6.1%} of the bf16 weights")
+from helpers.core.models import PRESETS  # noqa: E402
+
+tiny = PRESETS["tiny"]  # the data uses token ids below min(vocab, 97) (helpers.core.models)
+unused = (tiny["vocab_size"] - min(tiny["vocab_size"], 97)) * tiny["hidden_size"] / mixed.summary["num_params"]
 never = 1 - mixed.metrics["updated_fraction"].max()
-claim("about a fifth of the elements never change (between 15% and 25%: unused embedding rows)",
-      0.15 < never < 0.25, never_changed=never)
-claim("with fp32 shards every weight that has a gradient moves at every step: the share that changes is all "
-      "but the never-changed fifth (within 1 point)", abs(frac["FSDP aligned"][0] - (1 - never)) < 0.01,
-      aligned=frac["FSDP aligned"][0], all_but_never=1 - never)
+claim("even the busiest aligned step leaves about a fifth unchanged: the unused embedding rows (within 0.5 points)",
+      0.15 < never < 0.25 and abs(never - unused) < 0.005, unchanged_in_busiest_step=never, unused_rows=unused)
+steady = mixed.metrics["updated_fraction"].iloc[5:]
+claim("with fp32 shards every weight that has a gradient moves at every step: every step after warm-up changes all "
+      "but the unused rows (within 1 point)", bool((steady > 1 - unused - 0.01).all()),
+      fewest_changed=float(steady.min()), all_but_unused=1 - unused)
 claim("more of the bf16 weights change per step in the aligned run than in the low-precision run (by over a third)",
       frac["FSDP low precision"][0] < 0.75 * frac["FSDP aligned"][1],
       low_precision=frac["FSDP low precision"][0], aligned_bf16=frac["FSDP aligned"][1])
@@ -274,9 +280,23 @@ off_model = {f"{n}/{c}": (round(m, 2), t) for n in NAMES for c, (m, t) in per_pa
              if abs(m - t) >= 0.05 * t + 0.01}
 claim("every category is within 5% of the ZeRO model, except DeepSpeed's params", list(off_model) ==
       ["DeepSpeed ZeRO-3/params"], off_model=off_model)
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from helpers.core.footprint import PERSISTENCE_DEFAULT  # noqa: E402
+from helpers.core.models import model_config, resolve_model  # noqa: E402
+
+with torch.device("meta"):  # the tiny model's shapes, no memory
+    shapes = [p.shape for p in AutoModelForCausalLM.from_config(model_config(resolve_model("tiny"))).parameters()]
+persistent = sum(s.numel() for s in shapes if s.numel() <= PERSISTENCE_DEFAULT)  # fact: deepspeed.zero3_persistent_keep_partition
+print("largest weight under the threshold:", max((tuple(s) for s in shapes if s.numel() <= PERSISTENCE_DEFAULT),
+                                                 key=lambda t: torch.Size(t).numel()),
+      f"; persistent elements {persistent:,} of {mixed.summary['num_params']:,}")
 extra = per_param["DeepSpeed ZeRO-3"]["params"][0] - per_param["DeepSpeed ZeRO-3"]["params"][1]
-claim(f"DeepSpeed holds more params than the model says (persistent whole weights), at most {2 * NPROC} bytes per "
-      "parameter more", 0 < extra <= 2 * NPROC, extra_bytes_per_param=extra)
+predicted = 2 * persistent * NPROC / mixed.summary["num_params"]  # one whole bf16 copy more on every rank
+claim("DeepSpeed holds more params than the model says: the persistent weights whole on every rank, next to their "
+      "partition (to 0.01 byte per parameter)", abs(extra - predicted) < 0.01, extra_bytes_per_param=extra,
+      predicted=predicted)
 
 # %% [markdown]
 # Low precision keeps 8 bytes per parameter (bf16 params, grads and two Adam moments); <!-- fact: torch.fsdp2_bf16_model_bf16_optimizer --> the
@@ -284,10 +304,10 @@ claim(f"DeepSpeed holds more params than the model says (persistent whole weight
 # low-precision mode saves when a model barely fits. DeepSpeed's sharded state follows the
 # same 16 bytes (bf16 params and grads, fp32 master and moments), <!-- fact: deepspeed.zero3_16_bytes_per_param --> but it holds more params
 # than the ZeRO model says: ZeRO-3 keeps parameters of at most
-# `stage3_param_persistence_threshold` (100k elements by default) whole on every rank, to
+# `stage3_param_persistence_threshold` elements (100k by default) whole on every rank, to
 # spare their all-gathers, next to their 1/N partition (the measurement counts both). <!-- fact: deepspeed.zero3_persistent_keep_partition --> In this
-# tiny model every decoder-layer weight is under that size (the largest is 128 x 256), so they
-# all stay whole; on a real model only norms and biases do. <!-- fact: deepspeed.zero3_persistent_small_params -->
+# tiny model every decoder-layer weight is under that size (the largest is printed above), so
+# they all stay whole; on a real model only norms and biases do. <!-- fact: deepspeed.zero3_persistent_small_params -->
 #
 # ## 6 · Parity: when the two backends do the same arithmetic
 #
@@ -306,8 +326,8 @@ claim(f"DeepSpeed holds more params than the model says (persistent whole weight
 #   agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama does not notice. Qwen2 and
 #   Llama are run under it below; GPT-NeoX and StarCoder2 have biased linears too <!-- fact: transformers.family_config_defaults -->
 #   and would be expected to part the same way (not run here under that default). The
-#   shipped `zero3*.json` set it to `false` (the next cell checks it; "Ten model families"
-#   below runs without it).
+#   shipped `zero3*.json` set it to `false` (the next cell checks them); the family section
+#   below also runs Qwen2 and Llama without it.
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides, <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
 #   bf16-rounded weights (section 3; step 0 agrees in section 1).
 # * **The gradient norm's arithmetic**, which only clipping reads: FSDP's engine sums the
@@ -323,6 +343,9 @@ facts.show("deepspeed.zero3_linear_adds_bias_after", "deepspeed.gradient_clippin
 shipped = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
 claim("the shipped zero3.json says gradient_clipping 0.0 and memory_efficient_linear false",
       shipped["gradient_clipping"] == 0.0 and shipped["zero_optimization"]["memory_efficient_linear"] is False)
+linear_on = [p.name for p in sorted(Path("launch_configs/deepspeed").glob("zero3*.json"))
+             if json.loads(p.read_text())["zero_optimization"].get("memory_efficient_linear", True) is not False]
+claim("every shipped zero3*.json sets memory_efficient_linear false", not linear_on, not_false=linear_on)
 import torch  # noqa: E402
 
 if not GPUS:
@@ -530,10 +553,10 @@ _ = (cfg / "zero3_default_linear.yaml").write_text(
     "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: zero3_default_linear.json\n")
 
 # %% language="bash"
-# python -m helpers.switch --config launch_configs/fsdp/full_shard.yaml --families $SWEEP --steps $TRACE \
-#     --nproc $NPROC --out notebooks/runs/02_switch > notebooks/runs/02_switch.txt
+# python -m helpers.switch --config launch_configs/fsdp/full_shard.yaml --to launch_configs/deepspeed/zero3.yaml \
+#     --families $SWEEP --steps $TRACE --nproc $NPROC --out notebooks/runs/02_switch > notebooks/runs/02_switch.txt
 # echo "exit status $? (0: all identical, 1: some differ)"
-# sed -n '/^settings/,/^$/p' notebooks/runs/02_switch.txt | head -12     # the settings table, differences first
+# grep '^settings\|^  setting\|^\*' notebooks/runs/02_switch.txt       # the settings that differ (* rows)
 # sed -n '/^olmo2: differs/,/reproduced by/p' notebooks/runs/02_switch.txt  # a family that parts, traced
 # python -m helpers.switch --config launch_configs/fsdp/full_shard.yaml --steps $TRACE --nproc $NPROC \
 #     --to notebooks/runs/02_configs/zero3_default_linear.yaml --families llama,qwen2 \
@@ -548,11 +571,12 @@ for name in SWEEP:
     r = switched[name]
     rows.append({"family": name, "model_type": FAMILIES[name][0]["model_type"],  # fact: transformers.causal_lm_families
                  "what it adds": FAMILIES[name][1],  # fact: transformers.family_config_defaults
-                 "bit-identical": r["identical"],
+                 "bit-identical": r["identical"], "steps compared": r["steps"],
                  "first differing module": f"{r['module']['phase']} {r['module']['module']}" if r["module"] else "",
                  "cause found": ",".join(c["key"] for c in r["causes"])})
 family_table = pd.DataFrame(rows).set_index("family")
-print(family_table.drop(columns="what it adds").to_string())
+print(f"each family: {TRACE} steps, {NPROC} ranks, 2 sequences of 16 tokens per rank (helpers.switch's size)")
+print(family_table.to_string())
 broken = [n for n, row in family_table.iterrows()
           if not row["bit-identical"] and row["cause found"] != KNOWN_EXCEPTIONS.get(n)]
 listed_but_same = [n for n in SWEEP if n in KNOWN_EXCEPTIONS and family_table.loc[n, "bit-identical"]]
@@ -561,6 +585,7 @@ if nb.bitwise_parity_expected(NPROC):  # a CPU; on a GPU the sweep's jobs do not
           "which switch finds the listed cause", not broken and not listed_but_same,
           unexplained=broken, listed_but_identical=listed_but_same)
     olmo = switched["olmo2"]
+    facts.show("transformers.olmo2_rotary_fp32", "torch.fsdp2_casts_unit_inputs")
     claim("OLMo-2 parts in the forward of step 0, first at layer 0's o_proj, cause: FSDP casts unit inputs",
           olmo["module"] is not None and (olmo["module"]["step"], olmo["module"]["phase"], olmo["module"]["module"])
           == (0, "forward", "model.layers.0.self_attn.o_proj")
@@ -575,19 +600,20 @@ qwen, llama_default = dl["qwen2"], dl["llama"]
 claim("under DeepSpeed's default linear Qwen2 parts at step 1: same weights, different local gradients, first in "
       "the forward at a Linear, cause: ZeRO-3's memory_efficient_linear",
       qwen["first_step"] == 1 and (qwen["tensor"]["step"], qwen["tensor"]["stage"]) == (1, "grad_local")
-      and qwen["module"]["phase"] == "forward" and qwen["module"]["cls"] == "Linear"
+      and qwen["module"]["phase"] == "forward" and qwen["module"]["cls"] == "Linear" and qwen["module"]["biased"]
       and [c["key"] for c in qwen["causes"]] == ["zero3_memory_efficient_linear"],
       tensor=qwen["tensor"], module=qwen["module"])
 claim("Llama, without biases, stays identical under the same default", llama_default["identical"])
 
 # %% [markdown]
-# On this CPU every family swept is bit-identical under the shipped aligned pair, every weight,
-# gradient, update and module output included, except OLMo-2. Its rotary embedding returns cos and
+# On this CPU every family swept is bit-identical under the shipped aligned pair for the steps it
+# ran (the table), every traced weight, gradient, update and module output included, except OLMo-2. Its rotary embedding returns cos and
 # sin in fp32 <!-- fact: transformers.olmo2_rotary_fp32 -->, and FSDP2 casts every unit's inputs to
 # bf16 before the unit runs <!-- fact: torch.fsdp2_casts_unit_inputs -->, so its layers rotate
 # queries and keys with bf16 angles under FSDP and fp32 ones under DeepSpeed. The trace's first
 # differing module is `o_proj`, right after the attention (the attention is a function, not a
-# module). Neither side is wrong; they differ, and `switch` says where. Under DeepSpeed's default
+# module). Neither side is wrong; they differ, and `switch` says where (the rule it applied is
+# a diagnosis: the two facts printed above are the mechanism). Under DeepSpeed's default
 # linear, Qwen2 parts at step 1 <!-- fact: deepspeed.zero3_linear_adds_bias_after -->: the weights
 # are still identical, the first module output that differs is a biased `Linear`, its bias added in
 # a second rounding, which only matters once the zero-initialised biases have moved. Llama, without
@@ -616,16 +642,17 @@ print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.d
 
 # %% [markdown]
 # * At a small rate, the bf16-only FSDP mode stalls while aligned FSDP and DeepSpeed train:
-#   in bf16, updates smaller than half a rounding step vanish, so far fewer weights change. <!-- fact: torch.bf16_small_update_rounds_away -->
+#   in bf16, updates smaller than half a rounding step vanish, so fewer weights change per step. <!-- fact: torch.bf16_small_update_rounds_away -->
 # * Scaling the rate by the number of ranks moves the stalled run, and raising the rate for
 #   all mostly closes the gap (the drops above say how much); neither is the aligned training.
 #   fp32 shards (`mixed_precision: bf16`) remove the stall, for twice the model-state bytes per
 #   parameter (the bytes/param above: parameters, gradients and Adam's states). <!-- fact: accelerate.fsdp2_upcasts_with_mixed_precision -->
 # * The dtypes read from the live jobs confirm the seeds' table for what the optimizer
-#   updates and its states, and add what the table leaves out: DeepSpeed's bf16 shard,
-#   bf16 gradient reductions. <!-- fact: deepspeed.zero3_bf16_dtypes -->
-# * Aligned FSDP and DeepSpeed are identical step for step, for every model family swept but
-#   OLMo-2 (FSDP casts its fp32 rotary angles to bf16; `helpers.switch` names the module); a
+#   updates and its states, differ from it on one row (DeepSpeed stores a bf16 shard where the
+#   seeds say fp32), and add what the table leaves out: bf16 gradient reductions. <!-- fact: deepspeed.zero3_bf16_dtypes -->
+# * Aligned FSDP and DeepSpeed are identical step for step: the tiny Llama for the whole run,
+#   and every model family for the few steps of the sweep, but OLMo-2 (FSDP casts its fp32
+#   rotary angles to bf16; `helpers.switch` names the module); a
 #   DeepSpeed default left implicit (clipping at 1.0, ZeRO-3's own linear for biased layers) <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> is
 #   enough to make them drift. Gradient accumulation agrees closely but not bitwise: the
 #   backends reduce and accumulate in a different order. <!-- fact: deepspeed.zero3_adds_reduced_grads -->

@@ -38,10 +38,10 @@ def test_the_shipped_fsdp_config_and_a_tiny_llama_are_identical(tiny):
     assert rows["dtype: stored_param"] == ("fp32", "bf16", True)  # FSDP's fp32 shards vs ZeRO-3's bf16 params
     assert rows["dtype: forward_weight"] == ("bf16", "bf16", False)
     assert rows["attn_implementation"] == ("sdpa", "sdpa", False) and rows["max_norm"][2] is False
-    flags = [d for _, _, _, d in result["settings"]]
-    assert flags == sorted(flags, reverse=True), "differing rows come first"
+    flags = [{True: 0, None: 1, False: 2}[d] for _, _, _, d in result["settings"]]
+    assert flags == sorted(flags), "differing rows come first, then the ones not measured on one side"
     marked = [ln for ln in proc.stdout.splitlines() if ln.startswith("* ")]
-    assert len(marked) == sum(flags) and any("dtype: stored_param" in ln for ln in marked)
+    assert len(marked) == flags.count(0) and any("dtype: stored_param" in ln for ln in marked)
 
 
 def test_a_shrunk_7b_olmo2_parts_in_the_forward_and_the_switch_names_module_and_cause(tmp_path):
@@ -56,6 +56,22 @@ def test_a_shrunk_7b_olmo2_parts_in_the_forward_and_the_switch_names_module_and_
     assert ("unit_inputs_cast_to", "bf16", "-", True) in [tuple(r) for r in result["settings"]]
 
 
+def test_zero2_and_fsdp_train_the_same_and_report_the_norm_in_other_dtypes(tmp_path):
+    """ZeRO-2 and its FSDP translation: every loss and every module output and output gradient the same, the logged
+    gradient norms not (ZeRO-1/2 sum the squared norms in fp32, fact deepspeed.zero12_grad_norm_fp32)."""
+    proc = switch("--config", "launch_configs/deepspeed/zero2.yaml", "--model", "tiny", "--out", tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "switch.json").read_text())["models"]["tiny"]
+    assert [c["key"] for c in r["causes"]] == ["grad_norm_dtype"], r["report"]
+    rows = {k: (a, b, d) for k, a, b, d in r["settings"]}
+    assert rows["norm_dtype"] == ("fp32", "fp64", True) and rows["reshard_after_forward"][:2] == ("False", "False")
+    assert rows["dtype: optimizer_states"][2] is None  # the probe does not read ZeRO-2's: "?", not a difference
+    assert "tensor traces: not taken (zero_optimization.stage = 2" in proc.stdout
+    runs = [tmp_path / "runs" / "tiny" / side for side in "ab"]
+    losses = [[json.loads(x)["loss"] for x in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
+    assert losses[0] == losses[1] and r["module"] is None
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--config", FSDP], "pass --config and one of --model or --families"),
     (["--config", FSDP, "--model", "tiny", "--families", "all"], "pass --config and one of --model or --families"),
@@ -64,6 +80,7 @@ def test_a_shrunk_7b_olmo2_parts_in_the_forward_and_the_switch_names_module_and_
     (["--config", "nope.yaml", "--model", "tiny"], "nope.yaml"),
     (["--config", FSDP, "--model", "tiny", "--shrink"], "--shrink: --model tiny is a preset"),
     (["--config", FSDP, "--model", "huge"], "--model 'huge'"),
+    (["--config", FSDP, "--model", "tiny", "--compile"], "--compile: the switch traces every module eagerly"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     proc = switch(*args, "--out", tmp_path / "o")

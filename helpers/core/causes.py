@@ -20,6 +20,9 @@ class Evidence:
     stage: str | None  # first differing tensor stage (helpers.compare), or None
     phase: str | None  # first differing module: "forward" | "backward", or None
     module_cls: str | None  # that module's class
+    module_biased: bool  # whether it has a bias parameter
+    module_step: int | None  # the step of that module's record
+    losses_equal: bool  # every loss the two runs logged is the same
     before: list[tuple[str, str]]  # (module, dtype) of the forward outputs met before it, side A
 
     def both(self, key: str) -> tuple:
@@ -44,7 +47,8 @@ def _unit_input_cast(e: Evidence) -> bool:
 
 
 def _zero3_linear(e: Evidence) -> bool:
-    return e.phase == "forward" and e.module_cls == "Linear" and True in e.both("memory_efficient_linear")
+    return (e.phase == "forward" and e.module_cls == "Linear" and e.module_biased
+            and True in e.both("memory_efficient_linear"))
 
 
 def _zero3_shared_input(e: Evidence) -> bool:
@@ -55,7 +59,14 @@ def _zero3_shared_input(e: Evidence) -> bool:
 
 def _clipping(e: Evidence) -> bool:
     a, b = e.both("max_norm")
-    return a != b and e.stage in ("grad_reduced", "update")
+    # with tensor traces: the reduced gradient or the update parts first; without: the forward agrees at step 0
+    # and parts once an update has been applied
+    return a != b and (e.stage in ("grad_reduced", "update") or (e.stage is None and (e.module_step or 0) > 0))
+
+
+def _norm_dtype(e: Evidence) -> bool:
+    a, b = e.both("norm_dtype")
+    return a != b and e.losses_equal and e.phase is None and e.stage is None
 
 
 CAUSES: list[Cause] = [
@@ -77,6 +88,11 @@ CAUSES: list[Cause] = [
           "The two runs clip at different max norms ({max_norm}): DeepSpeed clips at 1.0 when its JSON has no "
           "gradient_clipping, FSDP clips only when the training script asks.",
           "tests/test_promises.py::test_fsdp_grad_clip_matches_deepspeed_clipping", _clipping),
+    Cause("grad_norm_dtype",
+          "Training is identical (every loss, module output and output gradient); only the reported gradient norms "
+          "differ, in their last bits: ZeRO-1/2 sum the squared norms in fp32, ZeRO-3 and the guide's FSDP engine "
+          "in fp64 ({norm_dtype}). With clipping on, the clip factor would differ as well.",
+          "tests/test_switch.py::test_zero2_and_fsdp_train_the_same_and_report_the_norm_in_other_dtypes", _norm_dtype),
 ]
 
 
@@ -84,4 +100,5 @@ def explain(e: Evidence) -> list[tuple[Cause, str]]:
     """The known causes that apply, each with its text filled in."""
     fp32 = ", ".join(n for n, dt in e.before if dt == "fp32" and ".layers." not in n) or "none"
     norms = " vs ".join(str(x) for x in e.both("max_norm"))
-    return [(c, c.text.format(fp32=fp32, max_norm=norms)) for c in CAUSES if c.applies(e)]
+    dtypes = " vs ".join(str(x) for x in e.both("norm_dtype"))
+    return [(c, c.text.format(fp32=fp32, max_norm=norms, norm_dtype=dtypes)) for c in CAUSES if c.applies(e)]

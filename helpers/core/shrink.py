@@ -1,10 +1,12 @@
 """``--shrink``: the user's architecture at a laptop's size.
 
-The same ``model_type`` and every switch of its config.json (biases, ties, norms, soft-capping, rotary
-settings, experts' routing, attention implementation) are kept; only sizes go down: width 64, 2 layers,
-4 heads (grouped-query and multi-query kept as such), 4 experts, a 128-token vocabulary. A parity question
-("do both backends compute the same?") depends on the arithmetic the architecture does, not on its width, so a
-7B config can be checked in a minute on a CPU; a memory or speed question cannot be answered this way.
+The same ``model_type`` and the config's switches are kept: biases, ties, norms, soft-capping, the rotary
+settings (a partial rotary keeps its fraction of a head), the attention kind (grouped-query and multi-query kept
+as such) and implementation. Sizes and counts go down: width 64, 2 layers, 4 heads, a 128-token vocabulary, and
+for a mixture of experts 4 experts, at most 2 per token, in one group (so a router that picks 8 of 256 in groups
+now picks 2 of 4: the same code, another routing). Every change is listed. The arithmetic each layer does is the
+same code at any width, so a parity question can be asked of the small model in a minute on a CPU; what depends
+on size cannot: memory, speed, and which parameters ZeRO-3 keeps whole (at this size, all of them).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ _FIXED = {  # key -> shrunk value, for the keys a config has
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head"), HEADS),
     "head_dim": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "q_lora_rank": 32,
-    "kv_lora_rank": 16, "rotary_dim": 8,
+    "kv_lora_rank": 16,
     **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts"), 4),
     "n_group": 1, "topk_group": 1, "vocab_size": VOCAB,
 }
@@ -46,6 +48,10 @@ def shrink(raw: dict) -> tuple[dict, list[str]]:
     kv = raw.get("num_key_value_heads")
     if isinstance(kv, int) and isinstance(heads, int):  # keep the kind: MHA, GQA or MQA
         put("num_key_value_heads", HEADS if kv == heads else 1 if kv == 1 else 2)
+    if isinstance(raw.get("rotary_dim"), int) and heads:  # partial rotary: keep the rotated fraction of a head
+        old_head = raw.get("head_dim") or (raw.get("hidden_size") or raw.get("n_embd")) // heads
+        new_head = out.get("head_dim") or WIDTH // HEADS
+        put("rotary_dim", max(2, 2 * round(raw["rotary_dim"] / old_head * new_head / 2)))
     for key in _TOKEN_IDS:
         v = raw.get(key)
         if isinstance(v, int) and v >= VOCAB:

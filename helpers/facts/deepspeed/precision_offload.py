@@ -133,6 +133,16 @@ def _norm():
                                                  "norm": ev1.get("missing", "ok"), "clip": ev2.get("missing", "ok")}
 
 
+@fact("deepspeed.zero12_grad_norm_fp32",
+      "ZeRO-1/2 take each local gradient's norm in fp64 too, but cast the sum of their squares to fp32 before the "
+      "all-reduce: the norm they report (and clip with) is an fp32 value, where ZeRO-3's is fp64.",
+      "deepspeed", V, "runtime/zero/stage_1_and_2.py: DeepSpeedZeroOptimizer.get_grad_norm_direct")
+def _norm12():
+    return _read("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.get_grad_norm_direct",
+                 "g.data.to(get_norm_dtype()).detach(), ord=norm_type)",
+                 "total_norm = torch.stack(all_norms).pow(norm_type).sum().float()")
+
+
 @fact("deepspeed.no_scheduler_section_constant_lr",
       "DeepSpeed builds no learning-rate scheduler when the JSON has no scheduler section and the script passes "
       "none: the rate stays constant.",

@@ -13,10 +13,10 @@ backward, and those recomputed forwards are not (their outputs are the same tens
 recorded once, on the outputs of the first forward).
 
 Every rank fingerprints its own micro-batches; at each step's end the records are gathered to rank 0, which
-writes ``DIR/activation_trace.jsonl``: a first line ``{"modules": {NAME: CLASS}}`` (every module and its
-class), then one line per step ``{"step": S, "ranks": [[{"forward": [[NAME, FP, DTYPE], ...],
-"backward": [...]}, ...micro-batches], ...ranks]}``. ``python -m helpers.compare`` reads it. Not with
-``--compile`` (hooks on every module; see ``check``).
+writes ``DIR/activation_trace.jsonl``: a first line ``{"modules": {NAME: CLASS}, "biased": [NAME, ...]}`` (every
+module and its class; the modules with a bias parameter), then one line per step ``{"step": S, "ranks":
+[[{"forward": [[NAME, FP, DTYPE], ...], "backward": [...]}, ...micro-batches], ...ranks]}``. ``python -m
+helpers.compare`` reads it. Not with ``--compile`` (hooks on every module; see ``check``).
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class ActivationTracer:
         self.handles.append(model.register_forward_hook(self._end))  # after the model's own record
         if self.rank == 0:
             self.file = self.path.open("w")
-            self.file.write(json.dumps({"modules": {n: type(m).__name__ for m, n in self.names.items()}}) + "\n")
+            biased = [n for m, n in self.names.items() if isinstance(getattr(m, "bias", None), torch.nn.Parameter)]
+            self.file.write(json.dumps({"modules": {n: type(m).__name__ for m, n in self.names.items()},
+                                        "biased": biased}) + "\n")
 
     def on_step_begin(self, step: int) -> None:
         self.micro: list[dict] = []

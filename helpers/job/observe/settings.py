@@ -1,9 +1,12 @@
-"""The settings a job actually ran with, read from the running model, engine and optimizer: ``summary.json``'s
-``effective`` and ``attn_implementation`` keys. ``python -m helpers.switch`` puts two runs' side by side.
+"""The settings a job ran with: ``summary.json``'s ``effective`` and ``attn_implementation`` keys.
+``python -m helpers.switch`` puts two runs' side by side.
 
-A config file says what was asked; these are what the job did once the backend, Accelerate's rules and the
-library defaults had their say (DeepSpeed's clipping default, its micro-batch from "auto", the attention
-implementation transformers settled on, the optimizer's own hyperparameters, the units FSDP made).
+Where the running model, engine or optimizer says it, it is read from them: the attention implementation
+transformers settled on, the optimizer's own hyperparameters, the units FSDP made, and DeepSpeed's clipping,
+accumulation, micro-batch and prefetch after its defaults and "auto" had their say. The rest comes from the job's
+resolved config (the one in ``config.json``, after Accelerate's rules, not the YAML as written), and two rows
+follow from the code path the job took: the norm's dtype (the guide's FSDP engine computes it in fp64; DeepSpeed's
+own code, fact deepspeed.zero12_grad_norm_fp32) and whether a unit's inputs are cast.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ def _deepspeed(s) -> dict:
     zo = s.resolved["deepspeed"]["json"].get("zero_optimization", {})
     out = {"units": "every module (ZeRO-3's hooks gather each module's parameters)" if stage == 3
            else f"none (ZeRO-{stage}: parameters whole on every rank)",
-           "reshard_after_forward": True if stage == 3 else None,
+           "reshard_after_forward": stage == 3,
            "prefetch": f"prefetch_bucket_size {e.zero_prefetch_bucket_size()}, overlap_comm {e.zero_overlap_comm()}"
            if stage == 3 else f"overlap_comm {e.zero_overlap_comm()}",
-           "max_norm": e.gradient_clipping() or None, "norm_dtype": short(get_norm_dtype()),
+           "max_norm": e.gradient_clipping() or None,
+           # ZeRO-1/2 sum the squares of fp64 norms in fp32 (fact deepspeed.zero12_grad_norm_fp32); ZeRO-3 keeps fp64
+           "norm_dtype": short(get_norm_dtype()) if stage == 3 else "fp32" if stage in (1, 2) else "not read (ZeRO-0)",
            "grad_accum": e.gradient_accumulation_steps(), "micro_batch": e.train_micro_batch_size_per_gpu(),
            "checkpoint_format": "DeepSpeed ZeRO partitions"
            + (" + 16-bit model" if s.job.deepspeed.zero3_save_16bit_model else ""),

@@ -163,16 +163,18 @@ def worker(plan_file: str) -> int:
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(prog="python -m helpers.switch", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m helpers.switch", description="Does my job train the same under the other "
+                       "backend? Runs both, prints the settings side by side, the verdict, the first differing module "
+                       "and the known cause; other helpers.train flags go to both jobs (docs/switching.md)")
     ap.add_argument("--plan", help=argparse_hidden())
-    ap.add_argument("--config")
+    ap.add_argument("--config", help="launch config A (FSDP or DeepSpeed)")
     ap.add_argument("--to", help="the other config (default: --config translated to the other backend)")
     ap.add_argument("--model", help="a preset, a config.json, or a directory holding one")
     ap.add_argument("--families", help="all, or a comma-separated list of the guide's model families (instead "
                     "of --model)")
     ap.add_argument("--shrink", action="store_true", help="keep --model's architecture, scale its sizes down")
     ap.add_argument("--nproc", type=int, help="ranks (default: the GPUs, else 2)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps each job trains (default 3)")
     ap.add_argument("--out", help="run directory (default: runs/switch/NAME)")
     args, extra = ap.parse_known_args(argv)
     if args.plan:

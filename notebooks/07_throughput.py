@@ -293,23 +293,22 @@ CORES = os.cpu_count()
 print(f"cores on this machine: {CORES}")
 for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a GPU node each rank has its GPU
     two, four = rk.loc[(backend, 2)], rk.loc[(backend, 4)]
-    # 4 ranks share the cores: no rank gets faster. How much slower each gets depends on how much of a step
-    # a rank spends waiting in collectives (then its core-mate computes) and on other load on the machine.
-    claim(f"{backend}: at 4 ranks on {CORES} cores each rank is slower than at 2 (under 0.8x its tokens/s): "
-          "two ranks share a core", four.tokens_per_s_per_rank < 0.8 * two.tokens_per_s_per_rank,
-          per_rank_4_over_2=float(four.tokens_per_s_per_rank / two.tokens_per_s_per_rank),
-          total_4_over_2=float(four.tokens_per_s / two.tokens_per_s), mfu_2=float(two.mfu), mfu_4=float(four.mfu))
+    # one short job per point, made one after the other: these ratios are printed, not compared (a timing
+    # verdict needs repeated, interleaved runs: helpers.nb.claims.timing_runs)
+    print(f"{backend}: 4 ranks over 2, per rank {four.tokens_per_s_per_rank / two.tokens_per_s_per_rank:.2f}x, "
+          f"all ranks {four.tokens_per_s / two.tokens_per_s:.2f}x (one short job each)")
+if not GPUS:
+    print(f"at 4 ranks on {CORES} cores: {4 / CORES:g} ranks per core")
 
 # %% [markdown]
 # ## What limits MFU here, and what changes on a GPU node
 #
 # * **One thread per rank, oversubscribed at 4 ranks.** Each rank computes on one core
-#   (`OMP_NUM_THREADS=1`); the peak is that core's. <!-- fact: torch.omp_num_threads_sets_intraop --> At 4 ranks two ranks share a core, so
-#   each shares its core's peak with another rank, and no rank gets faster (the check above;
-#   from 1 to 2 ranks, one short job each, the table's per-rank tokens/s also carries what the
-#   collectives below cost, not isolated here). The total need not fall
-#   with it (the `total_4_over_2` ratios above, one short job per point): a rank waiting in a
-#   collective may leave its core to the other rank (our reading; not checked here).
+#   (`OMP_NUM_THREADS=1`); the peak is that core's. <!-- fact: torch.omp_num_threads_sets_intraop --> At 4 ranks on this 2-core
+#   machine two ranks share a core (printed above), so each shares its core's peak with another rank. How much slower that
+#   makes a rank depends on how much of its step it waits in collectives, leaving the core to
+#   the other rank; the ratios printed above come from one short job each and move from run to
+#   run on a shared machine, so this notebook draws no speed conclusion from them.
 #   On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters
 #   its gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults --> With gloo these are memory copies

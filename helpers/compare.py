@@ -92,6 +92,7 @@ class Comparison:
     tensor: TensorDiff | None = None  # first differing tensor, when both runs have traces
     traced: tuple[bool, bool] = (False, False)
     untraced: int = 0  # parameters without a gradient (a frozen base): their tensors are not in the traces
+    losses_equal: bool = True  # every loss of the steps both logged is the same (grad norms aside)
     module: ActivationDiff | None = None  # first differing module output, when both runs traced activations
     activations: tuple[bool, bool] = (False, False)
     coverage: tuple[int, int, int] = (0, 0, 0)  # activation records compared (forward, backward), on one side only
@@ -219,6 +220,7 @@ def compare(a: str | Path, b: str | Path) -> Comparison:
     if not common:
         raise CompareError(f"{a} (steps {min(sa)}..{max(sa)}) and {b} (steps {min(sb)}..{max(sb)}) share no step")
     out = Comparison(a, b, len(common))
+    out.losses_equal = len(sa) == len(sb) and all(_same(sa[s]["loss"], sb[s]["loss"]) for s in common)
     for step in common:
         ra, rb = sa[step], sb[step]
         if not all(_same(ra[k], rb[k]) for k in ("loss", "grad_norm")):

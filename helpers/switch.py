@@ -26,6 +26,7 @@ differ, 2 bad input or a job that could not run (one ``error:`` line).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m helpers.switch", description="Does my job train the same under the other "
                        "backend? Runs both, prints the settings side by side, the verdict, the first differing module "
                        "and the known cause; other helpers.train flags go to both jobs (docs/switching.md)")
-    ap.add_argument("--plan", help=argparse_hidden())
+    ap.add_argument("--plan", help=argparse.SUPPRESS)  # the worker's entry, under torchrun
     ap.add_argument("--config", help="launch config A (FSDP or DeepSpeed)")
     ap.add_argument("--to", help="the other config (default: --config translated to the other backend)")
     ap.add_argument("--model", help="a preset, a config.json, or a directory holding one")
@@ -206,12 +207,6 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return report(out, a, b, list(labels), warnings, untraced)
-
-
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 def _default_nproc() -> int:

@@ -69,10 +69,6 @@ def _forward_before(run: Path, diff) -> list[tuple[str, str]]:
     return []
 
 
-def _losses(run: Path) -> list:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def verdict(run_a: Path, run_b: Path, untraced: str | None = None) -> dict:
     """compare's verdict on two runs, and the known causes that apply. ``untraced``: why the runs have no tensor
     trace (said instead of compare's advice to take one)."""
@@ -89,7 +85,7 @@ def verdict(run_a: Path, run_b: Path, untraced: str | None = None) -> dict:
         before = _forward_before(run_a, c.module) if c.module else []
         ev = Evidence((sa, sb), c.tensor.stage if c.tensor else None, c.module.phase if c.module else None,
                       c.module.cls if c.module else None, bool(c.module and c.module.biased),
-                      c.module.step if c.module else None, _losses(run_a) == _losses(run_b), before)
+                      c.module.step if c.module else None, c.losses_equal, before)
         out["causes"] = [{"key": cause.key, "text": text, "test": cause.test} for cause, text in explain(ev)]
     return out
 

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from helpers.core.dtypes import short
 from helpers.core.metrics import ACTIVATION_FILE
 from helpers.core.models import clean_fqn
-from helpers.job.observe.tensor_trace import _MODS, fingerprint
+from helpers.job.observe.base import gather
+from helpers.job.observe.tensor_trace import fingerprint, hex_of
 
 
 def check(job) -> str | None:
@@ -51,11 +52,6 @@ def _floats(out):
     elif isinstance(out, dict):  # ModelOutput is an OrderedDict of the fields that are set
         for x in out.values():
             yield from _floats(x)
-
-
-def _hex(fp: torch.Tensor) -> str:
-    p0, p1 = (int(x) % m[0] for x, m in zip(fp, _MODS, strict=True))
-    return f"{p0:08x}{p1:08x}"
 
 
 class ActivationTracer:
@@ -84,11 +80,7 @@ class ActivationTracer:
         self.micro: list[dict] = []
 
     def on_step_end(self, step: int) -> None:
-        ranks = [None] * dist.get_world_size() if dist.is_initialized() else [None]
-        if dist.is_initialized():
-            dist.all_gather_object(ranks, self.micro)
-        else:
-            ranks = [self.micro]
+        ranks = gather(self.micro) if dist.is_initialized() else [self.micro]
         if self.file is not None:
             self.file.write(json.dumps({"step": step, "ranks": ranks}) + "\n")
             self.file.flush()
@@ -137,4 +129,4 @@ class ActivationTracer:
         for t in tensors:
             total += fingerprint(t.detach() + 0.0, offset)  # + 0.0: -0.0 becomes 0.0 (equal values, one print)
             offset += t.numel()
-        return _hex(total)
+        return hex_of(total)

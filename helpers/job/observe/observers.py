@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 def default_observers(s: JobState) -> Observers:
     """The guide's measurements; their hooks run in this order (and so do their log lines), providers first."""
-    traces = [TensorTraces()] if s.args.trace_tensors else []
-    traces += [ActivationTraces()] if s.args.trace_activations else []
+    traces = [Traces(kind) for kind, on in (("tensors", s.args.trace_tensors),
+                                            ("activations", s.args.trace_activations)) if on]
     return Observers([Throughput(), Loading(), Memory(), TensorPeak(), MemoryBudget(s.args.memory_budget_gib),
                       Dtypes(), Settings(), Updates(enabled=s.args.track_updates), Profiler(), *traces, ProgressLog(),
                       Checkpoints()])
@@ -187,35 +187,25 @@ class Profiler(Observer):
         return {"profiled_steps": self.steps} if self.done else {}
 
 
-class TensorTraces(Observer):
-    """``--trace-tensors``: exact per-step fingerprints of every weight, gradient and update
-    (helpers.job.observe.tensor_trace; its own hooks on the model and optimizer, one all-reduce per step)."""
+class Traces(Observer):
+    """``--trace-tensors`` (helpers.job.observe.tensor_trace: exact per-step fingerprints of every weight, gradient
+    and update; one all-reduce per step) or ``--trace-activations`` (helpers.job.observe.activation_trace: every
+    module's output and output gradient, per rank and micro-batch, gathered at each step's end): the tracer's
+    own hooks on the model (and optimizer), driven step by step."""
+
+    def __init__(self, kind: str):
+        self.kind = kind  # "tensors" | "activations"
 
     def on_train_begin(self, s):
-
-        self.tracer = TensorTracer(s.args.out, s.rank, s.world_size)
-        s.run.log("note: --trace-tensors: the training peaks (peak_memory_bytes, peak_tensor_bytes) include the "
-                  "tracer's copy of every weight shard, held across each optimizer step, and its fingerprint "
-                  "temporaries; measure peaks without it")
-        self.tracer.on_train_begin(s.engine)
-
-    def on_step_begin(self, s, step):
-        self.tracer.on_step_begin(step)
-
-    def on_step_end(self, s, step, row):
-        self.tracer.on_step_end(step)
-
-    def on_train_end(self, s):
-        self.tracer.on_train_end()
-
-
-class ActivationTraces(Observer):
-    """``--trace-activations``: exact per-step fingerprints of every module's output and output gradient, per rank
-    and micro-batch (helpers.job.observe.activation_trace; gathered to rank 0 at each step's end)."""
-
-    def on_train_begin(self, s):
-        self.tracer = ActivationTracer(s.args.out, s.rank)
-        self.tracer.on_train_begin(s.engine.module)
+        if self.kind == "tensors":
+            self.tracer = TensorTracer(s.args.out, s.rank, s.world_size)
+            s.run.log("note: --trace-tensors: the training peaks (peak_memory_bytes, peak_tensor_bytes) include the "
+                      "tracer's copy of every weight shard, held across each optimizer step, and its fingerprint "
+                      "temporaries; measure peaks without it")
+            self.tracer.on_train_begin(s.engine)
+        else:
+            self.tracer = ActivationTracer(s.args.out, s.rank)
+            self.tracer.on_train_begin(s.engine.module)
 
     def on_step_begin(self, s, step):
         self.tracer.on_step_begin(step)

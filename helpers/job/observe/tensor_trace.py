@@ -74,6 +74,12 @@ def fingerprint(values: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.stack(out).cpu()
 
 
+def hex_of(fp: torch.Tensor) -> str:
+    """A summed fingerprint (int64 [2], see ``fingerprint``) as the 16 hex digits the trace files hold."""
+    p0, p1 = (int(x) % m[0] for x, m in zip(fp, _MODS, strict=True))
+    return f"{p0:08x}{p1:08x}"
+
+
 def check(job) -> str | None:
     """Why --trace-tensors cannot trace this job (None: it can)."""
     if job.train.compile:
@@ -146,8 +152,7 @@ class TensorTracer:
         for i, name in enumerate(self.names):
             rec = {}
             for s, stage in enumerate(STAGES):
-                p0, p1 = (int(x) % m[0] for x, m in zip(fp[i, s], _MODS, strict=True))
-                rec[stage] = [f"{p0:08x}{p1:08x}", self.dtypes[i].get(stage)]
+                rec[stage] = [hex_of(fp[i, s]), self.dtypes[i].get(stage)]
             rec["update"].append(int(changed[i]))
             params[name] = rec
         self.file.write(json.dumps({"step": step, "params": params}) + "\n")

@@ -102,14 +102,22 @@ test-browser: setup
 	@command -v chromium >/dev/null || { echo "error: test-browser needs chromium: apt-get install chromium" >&2; exit 2; }
 	GUIDE_BROWSER_TEST=1 GUIDE_SIZE=quick $(PY) -m pytest -q -rP tests/browser -p no:cacheprovider
 
-# .py (percent format) is the source: rebuild each .ipynb from it and execute it for outputs,
-# then write the .py back in jupytext's canonical form (bash cells commented) so ruff can read it
+# .py (percent format) is the source. The notebooks whose outputs are stale (their code cells, helpers/ or
+# launch_configs/ changed since the hash their .ipynb records; all of them with FORCE=1) are rebuilt from
+# the .py and executed, the .py is written back in jupytext's canonical form (bash cells commented, so ruff
+# can read it), and the outputs are tidied (whole lines, no widget state) and stamped with the tree's hash.
+# A fresh notebook only gets the .py's markdown copied over: prose does not run.
 notebooks: setup
-	@for f in $(NB_PY); do \
+	@test "$${GUIDE_SIZE:-full}" = full || { echo "error: GUIDE_SIZE=$$GUIDE_SIZE: make notebooks commits" \
+		"full-size outputs; allowed: full (unset it)" >&2; exit 2; }
+	@stale=" $$($(PY) -m helpers.nb.freshness stale | tr '\n' ' ') "; \
+	for f in $(NB_PY); do \
+		case "$(if $(FORCE),$$f,$$stale)" in *"$$f"*) ;; *) \
+			$(PY) -m helpers.nb.freshness prose "$$f" && echo "== $$f: outputs fresh" && continue; exit 1;; esac; \
 		echo "== $$f"; \
 		$(VENV)/bin/jupytext --to ipynb --set-kernel python3 --execute "$$f" || exit 1; \
 		$(VENV)/bin/jupytext --quiet --to py:percent "$${f%.py}.ipynb"; \
-		touch "$${f%.py}.ipynb"; \
+		$(PY) -m helpers.nb.freshness finish "$${f%.py}.ipynb"; \
 	done
 
 lint: setup

@@ -94,7 +94,8 @@ NAMES = list(RUNS)
 drops = {n: tables.loss_drop(r.summary["losses"]) for n, r in RUNS.items()}
 fig, (left, right) = plots.plt.subplots(1, 2)
 plots.run_curves([low, mixed, ds], "loss", NAMES, ax=left, title=f"loss per step, lr {LR}")
-right.bar(NAMES, list(drops.values()), color=["#888", "#1f6fb4", "#d9480f"])
+plots.backend_bars(right, NAMES, list(drops.values()), [r.backend for r in RUNS.values()])
+right.tick_params(axis="x", labelsize=8)
 right.set(ylabel="first loss - mean of the last 10", title="how far each mode got")
 fig.tight_layout()
 
@@ -400,7 +401,7 @@ base = mixed_hi.metrics.iloc[:SHORT]
 drift = (ds_clip.metrics["loss"] - base["loss"]).abs()
 clip_gap = (ds_clip.metrics["loss"] - fsdp_clip.metrics["loss"]).abs()
 fig, (left, right) = plots.plt.subplots(1, 2)
-left.plot(base["step"], base["grad_norm"], marker=".", label="grad norm (before clipping)")
+left.plot(base["step"], base["grad_norm"], marker=".", color=plots.COLORS["fsdp"], label="grad norm (before clipping)")
 left.axhline(1.0, color="black", lw=0.8, ls=":", label="DeepSpeed's default clip")
 left.set(xlabel="step", title="gradient norm, aligned FSDP run")
 left.legend()

@@ -315,8 +315,9 @@ utab.round(3)
 # %%
 fig, (left, right) = plots.plt.subplots(1, 2)
 plots.collective_bars(utab, ax=left)
-right.bar(utab.index, utab.peak_allocated_MB, color=[plots.COLORS["fsdp"]] * len(wr) + [plots.COLORS["deepspeed"]] * 2)
-right.set_xticks(range(len(utab)), utab.index, rotation=20, ha="right", fontsize=8)
+plots.backend_bars(right, list(utab.index), list(utab.peak_allocated_MB), ["fsdp"] * len(wr) + ["deepspeed"] * 2,
+                   zero=False)
+right.tick_params(axis="x", rotation=20, labelsize=8)
 right.set(ylabel="MB", title="peak allocated, rank 0 (profiled steps)")
 fig.tight_layout()
 

@@ -266,18 +266,18 @@ claim("DeepSpeed ZeRO-3 with a bucket sized for this model fits, but no more seq
       zero3=[int(ours[DS]), int(with_ac[DS])], full_shard=[fs, int(with_ac[FSDP_METHODS[-1]])])
 
 # %%
-ax = plots.plt.subplots(figsize=(8, 3.5))[1]
-x = range(len(METHODS))
-colors = [plots.COLORS["deepspeed" if m == DS else "fsdp"] for m in METHODS]
-ax.bar([i - 0.2 for i in x], list(ours), 0.4, color=colors, label="no checkpointing")
-ax.bar([i + 0.2 for i in x], list(with_ac), 0.4, color=colors, alpha=0.5, hatch="//",
-       label="activation checkpointing")
-ax.set_xticks(list(x), [m.replace(" (", "\n(").replace(" + ", "\n+ ") for m in METHODS], fontsize=8)
-for i, (a, b) in enumerate(zip(ours, with_ac)):
-    ax.text(i - 0.2, a, str(int(a)), ha="center", va="bottom", fontsize=8)
-    ax.text(i + 0.2, b, str(int(b)), ha="center", va="bottom", fontsize=8)
-ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUDGET_GIB} GiB per rank, {NPROC} ranks")
-ax.legend();
+fig, axes = plots.plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+ticks = [m.replace(" = ", "\n= ").replace(" ~ ", "\n~ ").replace(" (", "\n(").replace(" + ", "\n+ ") for m in METHODS]
+for ax, col, title in zip(axes, (ours, with_ac), ("no checkpointing", "activation checkpointing"), strict=True):
+    plots.backend_bars(ax, ticks, [int(v) or None for v in col], ["deepspeed" if m == DS else "fsdp" for m in METHODS],
+                       missing="out of memory\nat 1")  # None: drawn as such, not as a 0 bar
+    for i, v in enumerate(col):
+        if v:
+            ax.text(i, v, str(int(v)), ha="center", va="bottom", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_title(title)
+axes[0].set_ylabel("largest micro-batch (runs)")
+_ = fig.suptitle(f"{MODEL}, seq {SEQ}, {BUDGET_GIB} GiB per rank, {NPROC} ranks", fontsize=10)
 
 # %% [markdown]
 # Why does ZeRO-3 fit no more sequences than FULL_SHARD here, with the same 16 bytes per

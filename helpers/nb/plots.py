@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from cycler import cycler
 
 from helpers.nb.results import Run
 
+# The visual language: FSDP is always this blue and DeepSpeed this orange, in every figure. Anything else
+# (a mode, a precision, a lane, a category) gets a line style, a hatch or a colour from NEUTRAL, whose hues
+# are far from both (tests/test_plots.py checks every palette here and every figure these functions draw).
 COLORS = {"fsdp": "#1f6fb4", "deepspeed": "#d9480f"}
 LINES = {"fsdp": dict(lw=2.2, ls="-"), "deepspeed": dict(lw=1.4, ls="--", marker="o", ms=3)}
+VARIANT_LS = {"fsdp": ["-", "--", ":", "-."], "deepspeed": ["--", ":", "-.", "-"]}  # 2nd, 3rd run of a backend
+VARIANT_HATCH = [None, "//", "..", "xx"]
+NEUTRAL = ["#2a9d8f", "#8e6bbf", "#6c757d", "#c9b037", "#3d5a40", "#b5838d"]  # teal, purple, grey, ...
 
 STYLE = {
     "figure.figsize": (10, 3.6),
@@ -18,7 +25,9 @@ STYLE = {
     "axes.spines.right": False,
     "axes.titlesize": 11,
     "legend.frameon": False,
+    "axes.prop_cycle": cycler(color=NEUTRAL),  # a line drawn without a colour never looks like a backend
 }
+
 
 
 def use_style() -> None:
@@ -26,12 +35,46 @@ def use_style() -> None:
     plt.rcParams.update(STYLE)
 
 
+def run_styles(backends: list[str]) -> list[dict]:
+    """Line keywords per run: its backend's colour, and a line style of its own where a backend has more
+    than one run (the k-th FSDP run gets the k-th FSDP style)."""
+    seen: dict[str, int] = {}
+    out = []
+    for b in backends:
+        k = seen[b] = seen.get(b, -1) + 1
+        out.append({**LINES[b], "color": COLORS[b], "ls": VARIANT_LS[b][k % len(VARIANT_LS[b])]})
+    return out
+
+
+def backend_bars(ax, labels: list[str], values: list[float | None], backends: list[str], zero: bool = True,
+                 missing: str = "out of\nmemory", **bar_kw):
+    """One bar per label in its backend's colour, a hatch of its own for a backend's 2nd, 3rd... bar. A
+    value None is drawn as missing (an empty outlined bar and the word), never as a 0 bar. zero=False
+    starts the axis near the smallest value, so that the differences show (the axis says so)."""
+    seen: dict[str, int] = {}
+    for i, (v, b) in enumerate(zip(values, backends, strict=True)):
+        k = seen[b] = seen.get(b, -1) + 1
+        if v is None:
+            ax.bar(i, 0, color="none", edgecolor=COLORS[b], hatch="xx", **bar_kw)
+            ax.text(i, 0, missing, ha="center", va="bottom", fontsize=8, color=COLORS[b])
+            continue
+        ax.bar(i, v, color=COLORS[b], hatch=VARIANT_HATCH[k % len(VARIANT_HATCH)], edgecolor="white", **bar_kw)
+    ax.set_xticks(range(len(labels)), labels)  # one per value (zip above is strict on values and backends)
+    shown = [v for v in values if v is not None]
+    if not zero and shown:
+        lo, hi = min(shown), max(shown)
+        pad = (hi - lo) * 0.15 or abs(hi) * 0.05 or 1
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.annotate("axis does not start at 0", (0, 1), xycoords="axes fraction", fontsize=7, color="#555",
+                    va="bottom")
+    return ax
+
+
 def loss_curves(runs: list[Run], ax=None, title: str = "loss per step"):
     """Loss vs step, one line per run, coloured by backend."""
     ax = ax or plt.subplots()[1]
-    for r in runs:
-        ax.plot(r.metrics["step"], r.metrics["loss"], color=COLORS[r.backend], label=r.label,
-                **LINES[r.backend])
+    for r, kw in zip(runs, run_styles([r.backend for r in runs]), strict=True):
+        ax.plot(r.metrics["step"], r.metrics["loss"], label=r.label, **kw)
     ax.set(xlabel="step", ylabel="causal-LM loss", title=title)
     ax.legend()
     return ax
@@ -51,16 +94,14 @@ def loss_difference(a: Run, b: Run, ax=None):
 def step_times(runs: list[Run], ax=None):
     """Step time per step (ms); the first step includes warm-up."""
     ax = ax or plt.subplots()[1]
-    for r in runs:
-        ax.plot(r.metrics["step"], r.metrics["step_time_s"] * 1e3, color=COLORS[r.backend],
-                label=r.label, **LINES[r.backend])
+    for r, kw in zip(runs, run_styles([r.backend for r in runs]), strict=True):
+        ax.plot(r.metrics["step"], r.metrics["step_time_s"] * 1e3, label=r.label, **kw)
     ax.set(xlabel="step", ylabel="ms", title="step time")
     ax.legend()
     return ax
 
 
-CATEGORY_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer_states": "#c44e52",
-                   "master_params": "#8172b2"}
+CATEGORY_COLORS = dict(zip(("params", "grads", "optimizer_states", "master_params"), NEUTRAL, strict=False))
 
 
 def memory_bars(table, world_size: int, axes=None, rank: int = 0, unit: float = 2**20):
@@ -111,11 +152,11 @@ def memory_vs_world(table, modes, ax=None, unit: float = 2**20):
 
 def run_curves(runs: list[Run], column: str, labels: list[str] | None = None, ax=None, title: str = "",
                ylabel: str = "", **plot_kw):
-    """One metrics.jsonl column vs step, one line per run (FSDP solid, DeepSpeed dashed)."""
+    """One metrics.jsonl column vs step, one line per run (backend colours; a style per run of a backend)."""
     ax = ax or plt.subplots()[1]
-    for r, label in zip(runs, labels or [r.label for r in runs], strict=True):
-        ls = LINES[r.backend]["ls"]
-        ax.plot(r.metrics["step"], r.metrics[column], ls=ls, lw=1.6, label=label, **plot_kw)
+    styles = run_styles([r.backend for r in runs])
+    for r, label, kw in zip(runs, labels or [r.label for r in runs], styles, strict=True):
+        ax.plot(r.metrics["step"], r.metrics[column], label=label, **{**kw, **plot_kw})
     ax.set(xlabel="step", ylabel=ylabel or column, title=title or column)
     ax.legend()
     return ax
@@ -137,8 +178,8 @@ def run_memory_bars(runs: list[Run], labels: list[str] | None = None, ax=None, r
     return ax
 
 
-LANE_COLORS = {"compute": "#4c72b0", "comm": "#dd8452"}
-PHASE_COLORS = {"forward": "#e8f1fa", "backward": "#fdeee4", "optimizer_step": "#eeeeee"}
+LANE_COLORS = {"compute": NEUTRAL[2], "comm": NEUTRAL[0]}
+PHASE_COLORS = {"forward": "#eef6f1", "backward": "#f3eff8", "optimizer_step": "#f4f4f4"}  # pale, hue-less
 
 
 def timeline(runs: list[Run], labels: list[str] | None = None, step: int | None = None, axes=None):
@@ -189,8 +230,8 @@ def collective_bars(table, ax=None):
 
     ax = ax or plt.subplots()[1]
     x = np.arange(len(table))
-    ax.bar(x - 0.2, table["all_gathers"], width=0.4, label="all-gathers", color="#4c72b0")
-    ax.bar(x + 0.2, table["reduce_scatters"], width=0.4, label="reduce-scatters", color="#dd8452")
+    ax.bar(x - 0.2, table["all_gathers"], width=0.4, label="all-gathers", color=NEUTRAL[0])
+    ax.bar(x + 0.2, table["reduce_scatters"], width=0.4, label="reduce-scatters", color=NEUTRAL[1])
     ax.set_xticks(x, table.index, rotation=20, ha="right", fontsize=8)
     ax.set(ylabel="per step", title="collectives per step (rank 0)")
     ax.legend()

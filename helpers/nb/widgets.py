@@ -57,9 +57,10 @@ def plot_losses(runs: list[results.Run], fig) -> None:
     left, right = fig.subplots(1, 2)
     plots.loss_curves(runs, ax=left)
     if len(runs) > 1:
-        for r in runs[1:]:
+        styles = plots.run_styles([r.backend for r in runs])
+        for r, kw in zip(runs[1:], styles[1:], strict=True):
             diff = (r.metrics["loss"] - runs[0].metrics["loss"]).abs()
-            right.plot(r.metrics["step"], diff, marker=".", lw=1, label=r.label)
+            right.plot(r.metrics["step"], diff, label=r.label, **kw)
         right.set(xlabel="step", ylabel="|difference|", title=f"|loss - {runs[0].label}|")
         right.legend()
     else:
@@ -101,11 +102,14 @@ def plot_locations(runs: list[results.Run], fig) -> None:
 
 def plot_throughput(runs: list[results.Run], fig) -> None:
     """Tokens/s per rank and MFU per run (notebook 07)."""
+    from helpers.nb import plots
+
     left, right = fig.subplots(1, 2)
-    labels = [r.label for r in runs]
-    left.bar(labels, [r.summary["tokens_per_s_per_rank"] for r in runs])
+    labels, backends = [r.label for r in runs], [r.backend for r in runs]
+    plots.backend_bars(left, labels, [r.summary["tokens_per_s_per_rank"] for r in runs], backends)
     left.set(ylabel="tokens/s per rank", title="throughput (median step)")
-    right.bar(labels, [100 * (r.summary["mfu"] or 0) for r in runs])
+    plots.backend_bars(right, labels, [100 * r.summary["mfu"] if r.summary["mfu"] is not None else None
+                                       for r in runs], backends, missing="no MFU\n(peak unknown)")
     right.set(ylabel="MFU (%)", title="model FLOPs utilization")
     for ax in (left, right):
         ax.tick_params(axis="x", rotation=20)

@@ -69,7 +69,7 @@ print(Path("launch_configs/fsdp/full_shard.yaml").read_text())
 # the pair train identically: **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
 # you say nothing, and Accelerate drops a `0.0` written in the YAML), bf16 on, and <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: accelerate.yaml_clip_zero_dropped -->
 # **`memory_efficient_linear: false`** (ZeRO-3 otherwise swaps torch's linear for its own,
-# which rounds layers with biases differently on batch x sequence inputs, e.g. Qwen2's: notebook 02). <!-- fact: deepspeed.zero3_swaps_linear --> <!-- fact: deepspeed.zero3_linear_rounds_bias --> <!-- fact: transformers.qwen2_qkv_bias -->
+# which rounds layers with biases differently on batch x sequence inputs, e.g. Qwen2's: notebook 12). <!-- fact: deepspeed.zero3_swaps_linear --> <!-- fact: deepspeed.zero3_linear_rounds_bias --> <!-- fact: transformers.qwen2_qkv_bias -->
 
 # %%
 facts.show("deepspeed.gradient_clipping_default", "accelerate.yaml_clip_zero_dropped", "deepspeed.zero3_swaps_linear",

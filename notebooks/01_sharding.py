@@ -229,7 +229,7 @@ if "zero2" in sweep_modes:  # the model at 2 ranks: (2 + 2/2 + 12/2) / 16 = 9/16
 # * **DeepSpeed** keeps the model in bf16 and shards the bf16 weights and gradients, and
 #   keeps a separate **fp32 master** partition for the optimizer. <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
-# Both pay the upcast (the seeds' "up to 2x" for parameters): FSDP in its fp32 params and
+# Both pay the upcast (up to 2x for parameters and optimizer, in the Hugging Face write-up on aligning the two backends' precision): FSDP in its fp32 params and
 # gradients, DeepSpeed in its fp32 master copy (its params and gradients stay bf16). <!-- fact: deepspeed.zero3_bf16_dtypes -->
 # At rest the totals are equal.
 
@@ -287,7 +287,7 @@ for ws in sorted(set(mem.world_size)):
 # ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`) instead of its ZeRO
 # code <!-- fact: deepspeed.zero0_bf16_optimizer -->, and its gradient norm already differs at step 0 (both printed below). We have not traced
 # which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
-# helpers.compare RUN_A RUN_B` names the first step (notebook 02 shows it). ZeRO-1 and ZeRO-2
+# helpers.compare RUN_A RUN_B` names the first step (notebook 12 shows it). ZeRO-1 and ZeRO-2
 # (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->
 
 # %%
@@ -305,7 +305,7 @@ claim("ZeRO-0 does not: its losses differ from NO_SHARD's", at2["zero0"]["losses
 # %% [markdown]
 # ## What it buys: the largest micro-batch in a memory budget, from state and activations alone
 #
-# The seeds (the write-ups this guide grew from; their tables are in notebook 08) report
+# Hugging Face's write-up on DeepSpeed in Accelerate (its tables are in notebook 08) reports
 # DDP fitting batch 8 and ZeRO-2 batch 40 on 24 GB cards. The same question, for our model,
 # in its simplest form: per rank, the state above plus activations per sequence must fit the
 # budget. This leaves out everything transient (gathered units, buckets, the optimizer step)
@@ -378,7 +378,7 @@ recap
 # * FULL_SHARD (aligned) and ZeRO-3 hold the same total but split it differently: fp32
 #   shards and gradients vs bf16 shards and gradients + fp32 master. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 #
-# Next: `02_precision` — why the seeds' FSDP run stalled when it trained without that fp32
+# Next: `02_precision` — why the precision write-up's FSDP run stalled when it trained without that fp32
 # copy (bf16 weights and optimizer state), and what each fix costs.
 
 # %% [markdown]

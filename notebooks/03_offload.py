@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 03 · Offload: where the bytes live
 #
-# **The question.** The seeds' offload row says: FSDP offloads all or nothing, while
+# **The question.** The offload row of Accelerate's FSDP-vs-DeepSpeed concept guide says: FSDP offloads all or nothing, while
 # DeepSpeed offloads parameters and the optimizer separately, and can go to NVMe. What does
 # each setting really move, where does each kind of state end up, and does it change
 # training?
@@ -35,7 +35,7 @@
 # | DeepSpeed NVMe | `launch_configs/deepspeed/zero3_nvme.yaml` | both to `nvme`, a local directory |
 #
 # **What we look at.** (1) the bytes each rank holds, by kind of state and by *location*:
-# accelerator ("device"), host memory ("host"), disk; (2) checks of the seeds' claims
+# accelerator ("device"), host memory ("host"), disk; (2) checks of the guide's claims
 # against those bytes; (3) step time as a ratio to no offload (single runs: shown, no cost
 # claimed); (4) the losses.
 #
@@ -280,7 +280,7 @@ ALL3 = ("params", "grads", "optimizer_states")
 R = range(NPROC)
 claim("FSDP without offload keeps params, grads and optimizer states on the device, on every rank",
       all(places("FSDP, no offload", c, r) == {"device"} for c in ALL3 for r in R))
-claim("FSDP offload moves all three to the host together, on every rank (the seeds' 'all or nothing')",  # fact: torch.fsdp2_cpu_offload_all
+claim("FSDP offload moves all three to the host together, on every rank (the concept guide's 'all or nothing')",  # fact: torch.fsdp2_cpu_offload_all
       all(places("FSDP offload", c, r) == {"host"} for c in ALL3 for r in R))
 claim("FSDP offload holds the same state bytes as no offload: the same shards, moved (buffers outside the "  # fact: torch.fsdp2_cpu_offload_all
       "state are not in these counts)",

@@ -16,19 +16,20 @@
 # %% [markdown]
 # # 07 · Throughput: tokens/s per device, step time and MFU
 #
-# **The question.** The seeds end on a throughput table: on 4x A100, FSDP in its aligned
+# **The question.** Hugging Face's write-up on aligning FSDP and DeepSpeed precision in
+# Accelerate ends on a throughput table: on 4x A100, FSDP in its aligned
 # mode and DeepSpeed ZeRO-3 train IBM Granite 7B at 3158.7 and 3094.5 tokens/s per device,
 # an MFU of 0.41 and 0.40. Can you make that table for your own hardware, and how does it
 # move with the model's size and the number of ranks?
 #
-# **What we run.** The aligned pair of the seeds (bf16 compute, fp32 master weights) on
+# **What we run.** The write-up's aligned pair (bf16 compute, fp32 master weights) on
 # this machine; <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes --> then both backends over model sizes and over 1, 2 and 4 ranks
 # (`benchmarks/scaling.py`, which launches real `helpers.train` jobs and collects their
 # summaries into a CSV).
 #
 # **What we look at.** Every job writes `tokens_per_s_per_rank` and `step_time_s` (median,
 # warm-up steps left out; `helpers.core.metrics`), and `flops_per_token`, `peak_flops` and
-# `mfu` (`helpers.job.observe.throughput`) into its `summary.json`. We put them next to the seeds' GPU numbers and
+# `mfu` (`helpers.job.observe.throughput`) into its `summary.json`. We put them next to the write-up's GPU numbers and
 # ask what limits them here.
 
 # %%
@@ -105,7 +106,7 @@ claim("tiny's count is 6 N + 12 L H Q T by hand (N = 456,320 without the embeddi
       flops_per_token=int(presets.loc["tiny", "FLOPs/token (T=64)"]))
 
 # %% [markdown]
-# Its `6 N` term alone (attention left out, N rounded to 7e9) gives the seeds' MFU from their
+# Its `6 N` term alone (attention left out, N rounded to 7e9) gives the write-up's MFU from its
 # tokens/s to within 10%: Granite 7B at 3158.7
 # tokens/s on an A100 (312 TFLOPS) is `6 x 7e9 x 3158.7 / 312e12`:
 
@@ -113,11 +114,11 @@ claim("tiny's count is 6 N + 12 L H Q T by hand (N = 456,320 without the embeddi
 SEEDS = pd.DataFrame({"tokens/s/device": [3158.7, 3094.5], "step time (s)": [10.4, 10.6], "MFU": [0.41, 0.40]},
                      index=["FSDP (aligned), 4x A100", "DeepSpeed ZeRO-3, 4x A100"])
 seed_mfu = 6 * 7e9 * SEEDS["tokens/s/device"] / 312e12
-claim("6 N x tokens/s / peak gives the seeds' MFU within 10% (\"7B\" is a rounded N)",
-      ((seed_mfu / SEEDS["MFU"] - 1).abs() < 0.1).all(), ours=seed_mfu.round(3).tolist(), seeds=SEEDS["MFU"].tolist())
+claim("6 N x tokens/s / peak gives the write-up's MFU within 10% (\"7B\" is a rounded N)",
+      ((seed_mfu / SEEDS["MFU"] - 1).abs() < 0.1).all(), ours=seed_mfu.round(3).tolist(), write_up=SEEDS["MFU"].tolist())
 
 # %% [markdown]
-# ## The seeds' table, on this machine
+# ## The write-up's table, on this machine
 #
 # The aligned pair (the configs of notebook 00: FSDP `full_shard.yaml`, DeepSpeed
 # `zero3.yaml`, bf16 compute on fp32 master weights), `tiny`, `NPROC` ranks. In a
@@ -164,20 +165,20 @@ claim("the four jobs do the same training (identical losses, as in notebook 00)"
       all(r.summary["losses"] == fsdp.summary["losses"] for r in PAIR_RUNS))
 PAIR = timing_runs("FSDP", [fsdp, fsdp_2], "DeepSpeed", [ds, ds_2], metrics.WARMUP_STEPS)
 print(PAIR)
-print(f"FSDP / DeepSpeed tokens/s: {1 / PAIR.ratio:.2f} here (medians), {3158.7 / 3094.5:.2f} in the seeds")
+print(f"FSDP / DeepSpeed tokens/s: {1 / PAIR.ratio:.2f} here (medians), {3158.7 / 3094.5:.2f} in the write-up")
 tps = max(r.summary["tokens_per_s_per_rank"] for r in (fsdp, fsdp_2))  # FSDP's run with more tokens/s
 achieved = tps * fsdp.summary["flops_per_token"]
 print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}x this core's (FSDP run 1's "
-      f"peak); achieved FLOP/s: the seeds' {0.41 * 312e12 / achieved:,.0f}x ours; tokens/s: ours "
-      f"{tps / 3158.7:.1f}x the seeds' (FSDP's run with more tokens/s)")
+      f"peak); achieved FLOP/s: the write-up's {0.41 * 312e12 / achieved:,.0f}x ours; tokens/s: ours "
+      f"{tps / 3158.7:.1f}x the write-up's (FSDP's run with more tokens/s)")
 
 # %% [markdown]
 # **What it means.** The two backends do the same work. Whether one was faster here is the
 # verdict above: a difference is called only when every run of one is beyond every run of the
 # other and their steps' spreads part (step times on a shared 2-core machine vary from step to
-# step and from job to job); the seeds' two figures on 4x A100 (one number each, no spread) differ by 2%. The table shows every run: the
+# step and from job to job); the write-up's two figures on 4x A100 (one number each, no spread) differ by 2%. The table shows every run: the
 # same job's step time can move between runs (the run medians above).
-# The absolute numbers are not comparable with the seeds': the last line puts the peaks and
+# The absolute numbers are not comparable with the write-up's: the last line puts the peaks and
 # the achieved FLOP/s side by side; tokens/s depends on both the model (ours needs far fewer
 # FLOPs per token) and the hardware (this core has far less peak).
 #
@@ -320,7 +321,7 @@ if not GPUS:
 # * **Fixed costs per op.** A small model issues many small ops; on a GPU the same
 #   launch overheads shrink with `torch.compile`, which fuses ops, and CUDA graphs (its
 #   modes `"reduce-overhead"` and `"max-autotune"`, not the default). <!-- fact: torch.compile_default_no_cudagraphs --> We have not measured how
-#   much of the seeds' 0.4 that accounts for.
+#   much of the write-up's 0.4 that accounts for.
 # * **bf16 depends on the hardware.** The check after the size sweep says which dtype is
 #   faster on this CPU; on GPUs bf16 is the fast path (not checked here). On each, MFU counts
 #   against the peak in the job's own dtype (measured on a CPU, from the table on a GPU).
@@ -328,7 +329,7 @@ if not GPUS:
 # ## Recap
 #
 # Measured on this machine (from the run directories and the sweep CSVs), next to the
-# seeds' GPU reference. The pair and the sweeps differ in dtype and micro-batch (printed
+# write-up's GPU reference. The pair and the sweeps differ in dtype and micro-batch (printed
 # below), so read each group on its own:
 
 # %%

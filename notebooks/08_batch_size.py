@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 08 · Will it fit? The largest batch per method, predicted and then run
 #
-# **The question.** The seeds' batch-size tables say that sharding buys batch: DeBERTa-v2-xlarge
+# **The question.** The batch-size tables of Hugging Face's write-up on DeepSpeed in Accelerate say that sharding buys batch: DeBERTa-v2-xlarge
 # on two 24 GB GPUs trains at most batch 8 under DDP and 40 under ZeRO-2; GPT-XL (1.5B) does
 # not fit one 24 GB GPU under DDP and trains at batch 16 under ZeRO-3 with CPU offload. For a
 # memory budget per rank, what is the largest micro-batch under each method, with and without
@@ -33,7 +33,7 @@
 # table) and
 # stops when it passed the budget.
 #
-# **What we look at.** (1) the max-batch table, next to the seeds' rows; (2) what activation
+# **What we look at.** (1) the max-batch table, next to the write-up's rows; (2) what activation
 # checkpointing changes: activation bytes per sample, the losses, and its recompute cost;
 # (3) predicted against measured peak for every run here, the worst row (offload rows apart)
 # and what the estimator leaves out; then the same estimator against the stored runs of
@@ -80,7 +80,7 @@ print(f"size={SIZE}: model {MODEL}, seq {SEQ}, budget {BUDGET_GIB} GiB per rank,
 # and `zero3_ac.json` (its `activation_checkpointing` section, which the guide's harness reads to
 # turn on the model's own checkpointing; DeepSpeed alone does not <!-- fact: deepspeed.activation_checkpointing_section_inert -->) with one key changed,
 # `reduce_bucket_size` set to `BUCKET` elements: why, the section after the table shows with
-# the default. The seeds' ZeRO-3 + CPU offload row is FULL_SHARD with `fsdp_offload_params`
+# the default. The write-up's ZeRO-3 + CPU offload row is FULL_SHARD with `fsdp_offload_params`
 # (the shipped `full_shard_offload.yaml`, and a copy with checkpointing): on a GPU its states
 # leave the device <!-- fact: accelerate.fsdp2_offload_params_policy --> <!-- fact: torch.fsdp2_cpu_offload_all -->;
 # this machine has one RAM, so here it shows what offload cannot do.
@@ -224,14 +224,14 @@ print(TABLE.round(2).to_string(index=False))
 # `tokens/s/rank`: the run at the largest batch, its second step (the first carries start-up): one step on a shared
 # machine, a rough figure, not a comparison.
 #
-# The same shape as the seeds' tables (their numbers are facts from their GPUs, not runs here):
+# The same shape as the write-up's tables (their numbers are facts from their GPUs, not runs here):
 
 # %%
 SEEDS = pd.DataFrame([
     ("DeBERTa-v2-xlarge (900M), 2x 24 GB", "DDP", "8"), ("", "ZeRO-2", "40"),
     ("BlenderBot-400M-distill", "DDP", "100"), ("", "ZeRO-2", "200"),
     ("GPT-XL (1.5B), 1x 24 GB", "DDP", "out of memory"), ("", "ZeRO-3 + CPU offload", "16"),
-], columns=["seeds' model", "method", "max batch"])
+], columns=["write-up's model", "method", "max batch"])
 print(SEEDS.to_string(index=False))
 plain = TABLE[TABLE["checkpointing"] == "no"]
 print(f"\nhere ({MODEL}, {BUDGET_GIB} GiB per rank, runs): "
@@ -256,7 +256,7 @@ if not GPUS:
 else:
     print("on a GPU the allocator's reserved memory sits above the tensors' peak: read the runs column")
 ns, sgo, fs = (int(ours[m]) for m in FSDP_METHODS)
-claim("as in the seeds' tables, sharding buys batch: SHARD_GRAD_OP and FULL_SHARD each fit more than NO_SHARD, "
+claim("as in the write-up's tables, sharding buys batch: SHARD_GRAD_OP and FULL_SHARD each fit more than NO_SHARD, "
       "FULL_SHARD at least as much as SHARD_GRAD_OP", ns < sgo <= fs, no_shard=ns, shard_grad_op=sgo, full_shard=fs)
 claim("activation checkpointing fits more under every method that fits at all",
       all(with_ac[m] > ours[m] for m in METHODS if ours[m]), without=list(ours), checkpointed=list(with_ac))
@@ -335,7 +335,7 @@ claim("the estimator predicts fewer sequences for ZeRO-3 than for FULL_SHARD, wi
 # %% [markdown]
 # ## ZeRO-3 with CPU offload, and DeepSpeed's defaults
 #
-# The seeds' GPT-XL row is ZeRO-3 with CPU offload: `offload_optimizer` moves the fp32 master,
+# The write-up's GPT-XL row is ZeRO-3 with CPU offload: `offload_optimizer` moves the fp32 master,
 # Adam's states and the gradients to the host, `offload_param` the bf16 parameters <!-- fact: deepspeed.zero3_offload_keys -->, so only the working set counts against the GPU's memory. The estimator predicts that for a GPU (host bytes out
 # of the device peak). This machine has one RAM: the states offloaded to "the host" are still
 # tensors of the job, counted by `peak_tensor_bytes` <!-- fact: torch.cpu_offload_on_cpu_is_noop -->,
@@ -664,7 +664,7 @@ widgets.ControlPanel("08", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   within two micro-batches of it on the FSDP rows and at or above it on DeepSpeed's, whose
 #   bytes it under-counts; identical jobs' peaks moved by the spread printed with the peaks
 #   table, so a close row can land on another batch in another run.
-# * As in the seeds' tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more than
+# * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more than
 #   NO_SHARD; activation checkpointing raised the largest batch of every method that fit one
 #   sequence at all. DeepSpeed ZeRO-3, with its gradient bucket sized for this model, fit too,
 #   no more sequences than FULL_SHARD, and the estimator predicted fewer for it (it

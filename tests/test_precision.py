@@ -105,7 +105,7 @@ def test_low_precision_stalls_where_mixed_precision_learns(stall_pair):
 
 def test_gradient_accumulation_agrees_across_backends(tmp_path):
     """Same first step; then close, not bitwise: FSDP2 accumulates before its one reduction,
-    ZeRO-3 reduces every micro-batch into a bf16 buffer (see notebooks/02_precision)."""
+    ZeRO-3 reduces every micro-batch into a bf16 buffer (see notebooks/12_parity)."""
     outs = {}
     for name, cfg in (("fsdp", FSDP), ("deepspeed", ZERO3)):
         outs[name] = tmp_path / name

@@ -1,4 +1,5 @@
-"""Tables the notebooks print from run directories: the seeds' precision table next to the measured
+"""Tables the notebooks print from run directories: the precision table of Hugging Face's write-up on aligning
+FSDP and DeepSpeed (the "write-up") next to the measured
 dtypes (notebooks/02), where each kind of state lives per offload setting (notebooks/03)."""
 
 from __future__ import annotations
@@ -43,16 +44,16 @@ def dtype_table(dtypes: dict[str, dict]):
     """Measured dtypes (rows: probe keys; columns: modes), each cell marked where it differs from the seeds.
 
     ``dtypes`` maps a PRECISION_MODES key to a run's ``summary["dtypes"]``. A cell reads
-    ``bf16``, ``-`` (no such tensor), or ``bf16 != seed fp32``.
+    ``bf16``, ``-`` (no such tensor), or ``bf16 != write-up fp32``.
     """
     import pandas as pd
 
     rows = {}
     for key in PROBE_KEYS:
-        row = {"seed's row": SEED_TABLE[key][0] if key in SEED_TABLE else ""}
+        row = {"write-up's row": SEED_TABLE[key][0] if key in SEED_TABLE else ""}
         for mode, d in dtypes.items():
             got, claim = d.get(key) or "-", seed_claim(key, mode)
-            row[PRECISION_MODES[mode]] = got if claim in (None, got) else f"{got} != seed {claim}"
+            row[PRECISION_MODES[mode]] = got if claim in (None, got) else f"{got} != write-up {claim}"
         rows[key] = row
     return pd.DataFrame.from_dict(rows, orient="index")
 

@@ -18,10 +18,13 @@ SHELL := /bin/bash
 QUIET := 2>&1 | { grep -v "^WARNING: Location" || true; }
 
 
+TORCH_INDEX ?=  # pip's index for torch alone; empty: pip's own (see below)
+
 setup: $(STAMP)
 
-# torch first, with pip, from its pin (the CPU build on this machine; keep a CUDA build you
-# installed yourself on a GPU node), then the rest without build isolation so the
+# torch first, with pip, from its pin: pip's default index gives Linux the CUDA build (several GB with its NVIDIA
+# packages); make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu installs the CPU-only build (a CUDA build
+# you installed yourself on a GPU node is kept), then the rest without build isolation so the
 # DeepSpeed sdist builds against that torch instead of downloading another. The rest goes in
 # with uv, a pip-compatible installer (the same packages at the same versions as pip's: 23 s
 # against 58 s on 2 cores); with pip if uv cannot (a private index only pip is told about, say).
@@ -30,7 +33,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=64" wheel uv $(QUIET)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 $(QUIET)
+	$(PY) -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch==2.13.0 $(QUIET)
 	$(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) --no-build-isolation -e ".[dev]" || { \
 		echo "setup: uv could not install the dependencies (above); pip instead"; \
 		$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[dev]" $(QUIET); }
@@ -57,15 +60,21 @@ LAB_PORT  ?= 8888
 ifeq ($(origin LAB_TOKEN),undefined)
 LAB_TOKEN := $(shell od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 endif
-LAB_HOST  := $(if $(filter 0.0.0.0 ::,$(LAB_IP)),$(shell hostname -f 2>/dev/null || hostname),$(LAB_IP))
+# Serving on every interface (0.0.0.0: IPv4; ::, IPv6 too), the URLs name this machine's addresses (hostname -I):
+# laptops in a workshop room often cannot resolve its hostname, which is used only when it has no address.
+LAB_ANY   := $(filter 0.0.0.0 ::,$(LAB_IP))
+LAB_HOSTS := $(if $(LAB_ANY),$(foreach a,$(shell hostname -I 2>/dev/null),$(if $(findstring :,$(a)),$(if \
+	$(filter ::,$(LAB_IP)),[$(a)]),$(a))),$(if $(findstring :,$(LAB_IP)),[$(LAB_IP)],$(LAB_IP)))
+LAB_HOSTS := $(or $(LAB_HOSTS),$(shell hostname -f 2>/dev/null || hostname))
+LAB_LOOPBACK := $(filter 127.0.0.1 localhost ::1,$(LAB_IP))
 LAB_FIRST := lab/tree/notebooks/00_launching.ipynb
 
 lab: setup
 	$(PY) -m helpers.workcopy
 	@echo "lab: serving work/ (your copies; make lab-refresh replaces them with the repo's)"
-	@echo "lab: open http://$(LAB_HOST):$(LAB_PORT)/$(LAB_FIRST)?token=$(LAB_TOKEN)"
-	@echo "lab: from another machine: ssh -L $(LAB_PORT):localhost:$(LAB_PORT) USER@THIS_HOST, then open" \
-		"http://localhost:$(LAB_PORT)/$(LAB_FIRST)?token=$(LAB_TOKEN)"
+	@$(foreach h,$(LAB_HOSTS),echo "lab: open http://$(h):$(LAB_PORT)/$(LAB_FIRST)?token=$(LAB_TOKEN)";)
+	@$(if $(LAB_LOOPBACK),echo "lab: from another machine: ssh -L $(LAB_PORT):localhost:$(LAB_PORT) USER@THIS_HOST," \
+		"then open http://localhost:$(LAB_PORT)/$(LAB_FIRST)?token=$(LAB_TOKEN)",:)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=work --ip=$(LAB_IP) --port=$(LAB_PORT) \
 		--ServerApp.port_retries=0 --IdentityProvider.token=$(LAB_TOKEN) \
 		--LabApp.default_url=/$(LAB_FIRST) $(if $(filter 0,$(shell id -u)),--allow-root --no-browser)
@@ -90,7 +99,7 @@ test-unit: setup
 # longest first (at quick size in CI, 08's walk cell alone took 4.7 min, 01's sweep 3.4, 07's and 02's
 # longest cells about 1), so that no worker starts a long one while the other runs out of notebooks
 # (xdist would order them by their number of cells).
-NB_FIRST := $(foreach n,08 01 07 02,$(wildcard notebooks/$(n)_*.ipynb))
+NB_FIRST := $(foreach n,08 01 07 12 02,$(wildcard notebooks/$(n)_*.ipynb))
 NB_TEST  := $(NB_FIRST) $(filter-out $(NB_FIRST),$(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)))
 test-notebooks: setup
 	GUIDE_SIZE=quick $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=8 \

@@ -12,13 +12,46 @@ write build logs the other cannot read, and each then rebuilds the op from scrat
 took minutes inside CI's tests after the warmup had built it with the other ninja. So the venv's
 ``bin`` (where this Python lives) goes first on ``PATH`` when it has a ninja, whether or not the
 venv is activated.
+
+``python -m helpers.X`` with a Python that lacks the guide's packages (``/usr/bin/python3`` outside the venv)
+stops here, before X is imported, with one line saying to activate the venv (``require_venv``).
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parent.parent
+# The import names of pyproject.toml's dependencies (pyyaml is yaml); tests/test_papercuts.py keeps them in step.
+PACKAGES = ("torch", "deepspeed", "transformers", "accelerate", "peft", "safetensors", "yaml", "numpy", "pandas",
+            "matplotlib", "tqdm")
+
+
+def missing_packages() -> list[str]:
+    """The guide's packages this Python cannot import (found without importing them)."""
+    return [name for name in PACKAGES if importlib.util.find_spec(name) is None]
+
+
+def require_venv() -> None:
+    """Exit 2 with one line when this Python lacks the guide's packages: the venv is not active."""
+    missing = missing_packages()
+    if not missing:
+        return
+    venv = CHECKOUT / ".venv"
+    shown = ".venv" if Path.cwd() == CHECKOUT else str(venv)
+    todo = (f"activate its venv first: source {shown}/bin/activate" if (venv / "bin" / "python").exists() else
+            f"run make setup first (it creates {shown}), then source {shown}/bin/activate")
+    names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    print(f"error: {sys.executable} lacks the guide's packages ({names}): {todo}", file=sys.stderr)
+    sys.exit(2)
+
+
+# While `python -m helpers.X` looks for X, sys.argv[0] is "-m" (Python's documented behaviour): every command
+# of the guide checks its Python here, before X's own imports can fail with a traceback.
+if sys.argv[:1] == ["-m"]:
+    require_venv()
+
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(CHECKOUT / "build" / "torch_extensions"))
 
 _BIN = os.path.dirname(sys.executable)

@@ -27,8 +27,9 @@ for ever: this step, and every DeepSpeed CPU job, removes such a lock first
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
-import time
 
 from helpers import set_ds_accelerator
 from helpers.job.ops import clear_stale_locks
@@ -46,32 +47,39 @@ def main(argv: list[str] | None = None) -> int:
     set_ds_accelerator(cpu=True)
     for note in clear_stale_locks():
         print(f"warmup: {note}")
-    t0 = time.perf_counter()
-    print("warmup: building DeepSpeed's shared-memory comm op for CPU (cached after the first time)...",
-          flush=True)
-    from deepspeed.comm.torch import build_shm_op
+    print(f"warmup: DeepSpeed's shared-memory comm op: {shm_op()}")
 
-    build_shm_op()
-    print(f"warmup: done in {time.perf_counter() - t0:.1f} s")
-
-    from helpers.job.ops import aio_status
+    from helpers.job.ops import AIO_OP, aio_status, load_aio, timed_load
 
     usable, state = aio_status()
-    if not nvme:
-        print(f"warmup: DeepSpeed's async_io op (NVMe offload only): {state}" if usable else
+    if not usable:
+        print(f"warmup: skipping DeepSpeed's async_io op (NVMe offload): {state}" if nvme else
               f"warmup: NVMe offload unavailable: {state}")
         return 0
-    if not usable:
-        print(f"warmup: skipping DeepSpeed's async_io op (NVMe offload): {state}")
+    if not nvme:
+        print(f"warmup: DeepSpeed's async_io op (NVMe offload only): {'already built' if state == 'built' else state}")
         return 0
-    t0 = time.perf_counter()
     if state != "built":
         print("warmup: building DeepSpeed's async_io op for NVMe offload (~1 min on 2 cores, once)...", flush=True)
-    from helpers.job.ops import load_aio
-
-    load_aio()
-    print(f"warmup: async_io ready in {time.perf_counter() - t0:.1f} s")
+    print(f"warmup: DeepSpeed's async_io op (NVMe offload): {timed_load(AIO_OP, load_aio)[1]}")
     return 0
+
+
+def shm_op() -> str:
+    """Load DeepSpeed's shared-memory comm op, building it when it is not built yet; what happened, in words."""
+    from deepspeed.comm.torch import build_shm_op
+
+    from helpers.job.ops import OPS, built, timed_load
+
+    if not built(OPS[0]):
+        print("warmup: building DeepSpeed's shared-memory comm op for CPU (about 30 s on 2 cores, once)...",
+              flush=True)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # DeepSpeed says "built successfully" when it only loads a built op too
+        module, what = timed_load(OPS[0], build_shm_op)
+    print("".join(ln for ln in said.getvalue().splitlines(True)
+                  if "built successfully" not in ln and not ln.startswith("Time to load")), end="")
+    return what if module is not None else "not available here (DeepSpeed finds it incompatible with this machine)"
 
 
 if __name__ == "__main__":

@@ -97,6 +97,9 @@ def _read_ds_json(c: _Checker, o: DeepSpeedOptions, path: str, notes: list[str])
         dev = (zo.get(f"offload_{what}") or {}).get("device", "none")
         setattr(o, f"offload_{what}_device",
                 c.value(f"{path}: zero_optimization.offload_{what}.device", dev, ["none", "cpu", "nvme"]))
+    for key in ("stage3_gather_16bit_weights_on_model_save", "memory_efficient_linear"):  # the booleans read here
+        if zo.get(key, "auto") != "auto":  # "auto": refused later, when nothing fills it (backends.deepspeed)
+            zo[key] = c.value(f"{path}: zero_optimization.{key}", zo[key], bool)
     o.zero3_save_16bit_model = bool(zo.get("stage3_gather_16bit_weights_on_model_save", False))
     _read_ds_ac(c, js, path)
     bf16 = (js.get("bf16") or {}).get("enabled", False)

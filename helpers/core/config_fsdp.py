@@ -30,7 +30,7 @@ def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPO
             )
         strategy = "FULL_SHARD" if raf else "SHARD_GRAD_OP"
     elif raf is not None:  # FSDP1 spelling: the strategy name under reshard_after_forward
-        strategy = c.value("fsdp_config.fsdp_reshard_after_forward", raf, _SHARDING)
+        strategy = _strategy_under_raf(c, raf, version)
     o.sharding = strategy or "FULL_SHARD"
     o.reshard_after_forward = o.sharding in ("FULL_SHARD", "HYBRID_SHARD")
     if version == 1:
@@ -88,3 +88,12 @@ def _fsdp_options(c: _Checker, raw: dict, world_size: int | None) -> tuple[FSDPO
                 )
             o.hybrid_shard_size = size
     return o, notes
+
+
+def _strategy_under_raf(c: _Checker, raf, version: int) -> str:
+    """A sharding strategy under fsdp_reshard_after_forward (FSDP1's spelling); any other value is a true/false
+    key's typo (``ture``), and the message says so rather than listing the strategies alone."""
+    if isinstance(raf, str) and raf.upper() in _SHARDING:
+        return c.value("fsdp_config.fsdp_reshard_after_forward", raf, _SHARDING)
+    also = f" (under fsdp_version 1 also a sharding strategy: {', '.join(_SHARDING)})" if version == 1 else ""
+    c.fail(f"fsdp_config.fsdp_reshard_after_forward = {raf!r}: expected true or false{also}")

@@ -14,11 +14,13 @@ not serve. With ``simulate_accelerator=True`` it makes the nccl mistake visible 
 CPU-only box: the group is treated as serving no CPU tensor, so only the tensors that
 ``to_group`` placed (clones it registers, standing in for the GPU copy) pass.
 
-Also here: ``check_local_device`` (one GPU per rank on this node, checked before anything starts).
+Also here: ``check_local_device`` (one GPU per rank on this node, checked before anything starts; on a CPU, a
+note when the node's ranks outnumber its cores: ``cpu_share_notes``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 
@@ -66,14 +68,31 @@ def all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def check_local_device(local_rank: int) -> None:
-    """One GPU per rank: ``LOCAL_RANK`` must name a GPU of this node (raises ValueError, one line)."""
+def check_local_device(local_rank: int, local_ranks: int = 1) -> list[str]:
+    """One GPU per rank: ``LOCAL_RANK`` must name a GPU of this node (raises ValueError, one line). On a CPU, the
+    note ``cpu_share_notes`` gives for this node's ``local_ranks`` (``LOCAL_WORLD_SIZE``)."""
     if not torch.cuda.is_available():
-        return
+        return cpu_share_notes(local_ranks, cpu_cores())
     n = torch.cuda.device_count()
     if local_rank >= n:
         raise ValueError(f"LOCAL_RANK = {local_rank}: this node has {n} GPU(s), one per rank; allowed: "
                          f"--nproc_per_node <= {n} (nccl refuses two ranks on one GPU)")
+    return []
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's share of the machine)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_share_notes(ranks: int, cores: int) -> list[str]:
+    """A note when a node's CPU ranks outnumber its cores: the ranks take turns on them, so every step (and every
+    timing and throughput figure) is slower than with a core per rank; the losses are the same."""
+    if ranks <= cores:
+        return []
+    return [f"{ranks} ranks on this node share {cores} CPU core{'s' if cores > 1 else ''}: they take turns, so "
+            "steps are slower and timings (step ms, tokens/s, MFU) are not what a core per rank would give; "
+            f"the losses are the same (--nproc_per_node {cores} gives each rank its own core)"]
 
 
 class CollectiveCheck:

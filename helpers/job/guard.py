@@ -2,7 +2,7 @@
 
 ``helpers.train`` uses one ``JobGuard`` per rank:
 
-* ``claim_out_dir(path)`` (rank 0, before any process group): refuses an
+* ``claim_out_dir(path)`` (rank 0, before any process group; ``refuse_if_busy`` first): refuses an
   ``--out`` that is a file, a directory that is not a run directory, or one a
   live job holds (``DIR/.lock``, an ``flock`` the kernel drops when the holder
   dies, so a killed job never leaves a stale lock). An earlier run there is
@@ -86,19 +86,32 @@ def claim_out_dir(path: str | os.PathLike):
     return lock
 
 
-def _lock(path: Path):
+def refuse_if_busy(path: str | os.PathLike) -> None:
+    """An ``--out`` a live job holds, refused before the slow checks (its lock taken, dropped: claim_out_dir claims)."""
+    with contextlib.suppress(OSError), open(Path(path) / LOCK) as f:  # no lock file: no live job there
+        _flock(f, Path(path) / LOCK)
+
+
+def _flock(f, path: Path) -> None:
+    """Lock the open lock file ``path``, or raise OutDirError naming the job that holds it."""
     import fcntl
 
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        raise OutDirError(f"--out {path.parent} is in use by a running job ({f.read().strip() or 'another job'}); "
+                          "wait for it to finish or pick another --out") from None
+
+
+def _lock(path: Path):
     for _ in range(5):
         f = open(path, "a+")  # noqa: SIM115 - held for the life of the job
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            owner = f.read().strip() or "another job"
+            _flock(f, path)
+        except OutDirError:
             f.close()
-            raise OutDirError(f"--out {path.parent} is in use by a running job ({owner}); wait for it to "
-                              "finish or pick another --out") from None
+            raise
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:  # not unlinked by a finishing job
                 f.truncate(0)

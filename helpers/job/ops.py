@@ -147,7 +147,7 @@ def build_aio() -> list[str]:
     does, once per checkout (cached under $TORCH_EXTENSIONS_DIR; ``python -m helpers.warmup --nvme`` builds
     it ahead, e.g. before a workshop). Every rank calls this; torch's build lock makes one build and the
     others wait for it. Returns a note for log.txt when this job built it."""
-    if _built(AIO_OP):
+    if built(AIO_OP):
         load_aio()
         return []
     import time
@@ -167,13 +167,31 @@ def aio_status() -> tuple[bool, str]:
     b = _aio_builder()
     if not b.is_compatible(verbose=False):
         return False, "libaio is not installed (Debian/Ubuntu: apt-get install libaio-dev)"
-    return True, ("built" if _built(AIO_OP) else
+    return True, ("built" if built(AIO_OP) else
                   "not built yet: the first NVMe job compiles it, once (its log.txt says how long it took)")
 
 
-def _built(name: str) -> bool:
+def timed_load(name: str, load) -> tuple[object, str]:
+    """``load()`` (a load of op ``name``: torch builds it first when it is missing or its sources changed), and
+    what happened: "built in N s" when the op's library was written, else "already built (loaded in N s)"."""
+    before = _libraries(name)
+    t0 = time.perf_counter()
+    module = load()
+    took = time.perf_counter() - t0
+    return module, (f"built in {took:.0f} s" if _libraries(name) != before else
+                    f"already built (loaded in {took:.1f} s)")
+
+
+def _libraries(name: str) -> list[tuple[str, int]]:
+    """The op's built libraries (``name.so``, ``name_v1.so`` after a rebuild of changed sources), each with its
+    modification time."""
     try:
         d = Path(extension_build_dir(name))
-    except Exception:  # noqa: BLE001 - an unusable cache dir just means "not built"
-        return False
-    return any(d.glob(f"{name}*.so"))
+    except Exception:  # noqa: BLE001 - an unusable cache dir: nothing built
+        return []
+    return sorted((so.name, so.stat().st_mtime_ns) for so in d.glob(f"{name}*.so"))
+
+
+def built(name: str) -> bool:
+    """Has op ``name`` been built here (its library is in the build cache)?"""
+    return bool(_libraries(name))

@@ -106,15 +106,17 @@ def validate(args: argparse.Namespace, refuse=fail_config) -> JobState:
     rank, world_size = env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     from helpers.core.config import load_job_config
     from helpers.core.metrics import RunDir
-    from helpers.job.guard import JobGuard
+    from helpers.job.guard import JobGuard, refuse_if_busy
 
     try:
+        if rank == 0:
+            refuse_if_busy(args.out)  # another job's --out: at once, before torch loads (guard.claim below takes it)
         job = load_job_config(args.config, {k: getattr(args, k) for k in OVERRIDES}, world_size=world_size)
         from helpers.core.models import model_config, resolve_model  # imports torch: after the quick checks
         from helpers.job.comm import check_local_device
 
         spec = resolve_model(job.train.model)
-        check_local_device(env_int("LOCAL_RANK", 0))  # a GPU node: one GPU per rank
+        job.notes += check_local_device(env_int("LOCAL_RANK", 0), env_int("LOCAL_WORLD_SIZE", 1))  # GPUs, cores
         if spec.kind != "preset":
             model_config(spec)  # a config.json that transformers cannot read is bad input too
         from helpers.job.observe.offload import prepare

@@ -1,0 +1,266 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 11 · Deep dive: sharding in detail
+#
+# **The question.** Notebook 01 measured what each sharding mode holds at 2 ranks. Here: how do
+# the bytes fall with 1, 2 and 4 ranks? Exactly how many gradient bytes does a ZeRO-1/2 rank hold?
+# Why does ZeRO-0 train differently from NO_SHARD? How much of a process's memory is the state?
+# And what is the rest of a config, key by key? (A deep dive from notebook 01; the core path goes
+# on with 02.)
+#
+# **What we run.** The fully sharded pair (`full_shard`, `zero3`) at 1, 2 and 4 ranks; NO_SHARD
+# and ZeRO-2 at 1 and 2; ZeRO-0 and ZeRO-1 at 2 — the `small` model (21M parameters), 2 steps,
+# each job counting the bytes its ranks hold, as in notebook 01.
+
+# %%
+import os
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from helpers import facts, nb
+from helpers.core import mapping, models
+from helpers.nb import plots, results
+from helpers.nb.claims import claim
+
+SIZE = nb.setup()
+# The quick size (CI's smoke test) stops at 2 ranks, as a 2-GPU node does: its 4-rank jobs were its longest.
+SWEEP = {"full_shard": [1, 2, 4], "zero3": [1, 2, 4], "no_shard": [1, 2], "zero2": [1, 2], "zero1": [2],
+         "zero0": [2]}
+WORLDS = nb.world_sizes([1, 2, 4] if SIZE == "full" else [1, 2])  # GPU node: up to its GPUs
+assert 2 in WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"
+JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory needs no long run
+os.environ["JOB"] = JOB
+plan = [(ws, mapping.MODES[key].config, f"notebooks/runs/11_{key}_{ws}") for key, worlds in SWEEP.items()
+        for ws in worlds if ws in WORLDS]
+Path("notebooks/runs").mkdir(parents=True, exist_ok=True)
+Path("notebooks/runs/11_plan.txt").write_text("".join(f"{ws} {cfg} {out}\n" for ws, cfg, out in plan))
+print(f"size={SIZE}, ranks {WORLDS}: {len(plan)} jobs")
+
+# %% language="bash"
+# set -o pipefail
+# while read ws cfg out; do
+#     printf 'ranks=%d  %-42s ' "$ws" "$cfg"
+#     torchrun --standalone --nproc_per_node "$ws" -m helpers.train --config "$cfg" --out "$out" $JOB | tail -n 1
+# done < notebooks/runs/11_plan.txt
+
+# %%
+runs = results.load_runs(*[out for _, _, out in plan])
+mem = results.memory_table(runs)
+mem["ratio"] = mem.measured / mem.theory.where(mem.theory > 0)
+boundary = mem["mode"].isin(["zero1", "zero2"]) & (mem.category == "grads")
+
+# %% [markdown]
+# ## 1 · More ranks, less per rank — for the sharded parts
+#
+# The fully sharded modes (`full_shard`, `zero3`) divide (nearly) everything by the number of
+# ranks (ZeRO-3 keeps its smallest parameters whole <!-- fact: deepspeed.zero3_persistent_small_params -->);
+# ZeRO-2 keeps whole parameters <!-- fact: deepspeed.zero2_whole_params -->; `no_shard` divides nothing .
+
+# %%
+facts.show("deepspeed.zero3_persistent_small_params")
+sweep_modes = [m for m in ("no_shard", "full_shard", "zero0", "zero2", "zero3")
+               if mem[mem["mode"] == m].world_size.nunique() > 1]
+plots.memory_vs_world(mem, sweep_modes);
+
+# %%
+per_rank = mem.groupby(["mode", "world_size", "rank", "category"]).measured.sum()  # every rank, not only rank 0
+totals = per_rank.groupby(["mode", "world_size", "rank"]).sum()
+
+
+def ratios(m, ws, category=None):
+    """Each rank's bytes at ws ranks over the 1-rank run's (one category, or the total)."""
+    held = per_rank.xs(category, level="category") if category else totals
+    return (held[m, ws] / held[m, 1, 0]).tolist()  # unrounded: "exactly" compares them with 1
+
+
+for m in ("full_shard", "zero3") if 4 in WORLDS else ():  # a node with fewer than 4 GPUs: not run
+    claim(f"{m}: each of 4 ranks holds a quarter of what 1 rank holds (0.24-0.26)",
+          all(0.24 <= q <= 0.26 for q in ratios(m, 4)), ratios=ratios(m, 4))
+if "no_shard" in sweep_modes:
+    claim("no_shard: 2 ranks each hold exactly what 1 rank holds", ratios("no_shard", 2) == [1, 1],
+          ratios=ratios("no_shard", 2))
+if "zero2" in sweep_modes:  # the model at 2 ranks: (2 + 2/2 + 12/2) / 16 = 9/16; with whole gradients 10/16
+    claim("zero2: each of 2 ranks keeps whole params, and under 0.6 of 1 rank's total (the model: 9/16 = 0.5625, "
+          "grads and optimizer states halved; 10/16 if it kept whole gradients)",
+          ratios("zero2", 2, "params") == [1, 1] and max(ratios("zero2", 2)) < 0.6,
+          params_ratios=ratios("zero2", 2, "params"), total_ratios=ratios("zero2", 2))
+
+# %% [markdown]
+# ## 2 · ZeRO-1/2's gradient overhang
+#
+# DeepSpeed's stage-1/2 optimizer flattens each optimizer param group
+# (here one: all parameters) into one buffer and gives each rank a contiguous slice of it. <!-- fact: deepspeed.zero12_flat_buffer_per_group -->
+# A parameter that straddles a slice edge
+# belongs to each rank it touches, and (with the default bf16 gradient buffer) each keeps that
+# parameter's *whole* gradient until the step. <!-- fact: deepspeed.zero12_straddler_whole_grad --> So a rank holds its 1/N of the gradients plus the rest of the (at most two)
+# parameters that straddle its slice's edges: more when parameters are few and large. The
+# cell below walks the parameters in order, finds those edges, and checks each rank's bytes
+# against that count exactly. ZeRO-3 partitions each parameter separately and has no such
+# overhang. <!-- fact: deepspeed.zero3_per_param_partitions -->
+
+# %%
+facts.show("deepspeed.zero12_flat_buffer_per_group", "deepspeed.zero12_straddler_whole_grad")
+with torch.device("meta"):  # shapes only, no memory  # fact: torch.meta_no_storage
+    model = models.build_model(models.resolve_model("small"), torch.bfloat16, seed=0, device="meta")
+named = [(n, p.numel()) for n, p in model.named_parameters()]  # the flat buffer's order
+# fact: deepspeed.zero12_flat_buffer_per_group
+total = sum(n for _, n in named)
+
+
+def overhang(world_size, rank):
+    """(bf16 bytes of the straddling parameters outside this rank's slice, their names)."""
+    lo, hi = total * rank // world_size, total * (rank + 1) // world_size
+    out, names, start = 0, [], 0
+    for name, n in named:
+        end = start + n
+        if start < hi and end > lo and (start < lo or end > hi):
+            out, names = out + max(lo - start, 0) + max(end - hi, 0), names + [name]
+        start = end
+    return 2 * out, names
+
+
+over = mem[boundary].assign(excess=lambda d: d.measured - d.theory,
+                            counted=lambda d: [overhang(w, r)[0] for w, r in zip(d.world_size, d["rank"])])
+print(over[["mode", "world_size", "rank", "theory", "measured", "excess", "counted"]].to_string(index=False))
+print("straddling at 2 ranks:", {r: overhang(2, r)[1] for r in range(2)})
+claim("ZeRO-1/2 gradients: each rank holds its 1/N slice plus exactly the rest of the parameters straddling its "
+      "slice's edges", (over.excess == over.counted).all(),
+      max_ratio=over.groupby(["mode", "world_size"]).ratio.max().round(3).to_dict())
+
+# %% [markdown]
+# ## 3 · Parity at every world size, and ZeRO-0
+#
+# The identity from notebook 00 holds at every world size we ran on the CPU (gloo). On a GPU
+# these jobs run without `--deterministic`, so the cell checks that the losses agree within
+# 1e-2 instead; bit for bit there would need `--deterministic` on at most 2 GPUs (beyond 2,
+# nccl may sum in another order <!-- fact: torch.nccl_sum_order -->;
+# `nb.bitwise_parity_expected`, written for, not yet run on, GPUs).
+
+# %%
+for ws in sorted(set(mem.world_size)):
+    names = {r.summary["mode_key"]: r for r in runs if r.summary["world_size"] == ws}
+    if {"full_shard", "zero3"} <= set(names):
+        a, b = names["full_shard"].summary["losses"], names["zero3"].summary["losses"]
+        gap = max(abs(x - y) for x, y in zip(a, b, strict=True))
+        if nb.bitwise_parity_expected(ws):
+            claim(f"{ws} rank(s): FSDP full_shard and ZeRO-3 losses identical", a == b, max_gap=gap)
+        else:
+            claim(f"{ws} rank(s): FSDP full_shard and ZeRO-3 losses within 1e-2 (nccl)", gap < 1e-2, max_gap=gap)
+
+# %% [markdown]
+# The mapping's "=" is about what is sharded, not about the arithmetic. `NO_SHARD` and ZeRO-0
+# shard the same thing (nothing) <!-- fact: deepspeed.zero0_replicates -->, but here they do not train bit-identically: DeepSpeed runs
+# ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`) instead of its ZeRO
+# code <!-- fact: deepspeed.zero0_bf16_optimizer -->, and its gradient norm already differs at step 0 (both printed below). We have not traced
+# which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
+# helpers.compare RUN_A RUN_B` names the first step (notebook 12 shows it). ZeRO-1 and ZeRO-2
+# (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->
+
+# %%
+facts.show("deepspeed.zero0_bf16_optimizer", "deepspeed.zero_optimizer_classes")
+at2 = {r.summary["mode_key"]: r.summary for r in runs if r.summary["world_size"] == 2}
+norm0 = {r.summary["mode_key"]: float(r.metrics.grad_norm.iloc[0]) for r in runs if r.summary["world_size"] == 2}
+claim(f"at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD train exactly as FULL_SHARD does (the {len(at2['full_shard']['losses'])} "
+      "steps of these runs)",
+      all(at2[k]["losses"] == at2["full_shard"]["losses"] for k in ("zero1", "zero2", "no_shard")),
+      final={k: at2[k]["final_loss"] for k in ("full_shard", "no_shard", "zero1", "zero2")})
+claim("ZeRO-0 does not: its losses differ from NO_SHARD's", at2["zero0"]["losses"] != at2["no_shard"]["losses"],
+      final_zero0=at2["zero0"]["final_loss"], final_no_shard=at2["no_shard"]["final_loss"],
+      grad_norm_step0=f'{norm0["zero0"]:.9g} vs {norm0["no_shard"]:.9g}')
+
+# %% [markdown]
+# ## 4 · The whole process, not just the state
+#
+# `peak_memory_bytes` is the process's peak anonymous memory (`RssAnon`, sampled after
+# each forward, backward and step; on a GPU, `torch.cuda.max_memory_allocated`). On a
+# CPU it includes what every torch process holds (the libraries it loads) <!-- fact: torch.import_rss -->, so the
+# state of a 21M-parameter model is only part of it (the share is printed below), which is
+# why the state is counted tensor by tensor above.
+
+# %%
+peaks = pd.DataFrame([{"mode": r.summary["mode_key"], "ranks": r.summary["world_size"],
+                       "peak MiB (max over ranks)": max(r.summary["peak_memory_bytes"]) / 2**20,
+                       "state MiB (rank 0)": sum(r.summary["memory_bytes"][0].values()) / 2**20}
+                      for r in runs if r.summary["world_size"] == 2]).set_index("mode").round(0)
+share = peaks["state MiB (rank 0)"] / peaks["peak MiB (max over ranks)"]
+claim("the state is under half of the process's peak in every 2-rank run here", (share < 0.5).all(),
+      state_over_peak=share.round(2).to_dict())
+peaks
+
+# %% [markdown]
+# ## 5 · The rest of a config, key by key
+#
+# Sharding is one row of a launch config. `helpers.core.mapping.SETTINGS` holds the others as
+# data, and `python -m helpers.translate` reads it to turn an FSDP config into the DeepSpeed
+# one with the same settings (and back), with a warning and the nearest choice for every
+# setting that has no exact counterpart. "Exact" is about what a setting asks for, not about
+# bit-identical training: NO_SHARD and ZeRO-0 ask for the same sharding (nothing) and still
+# train differently (section 3). <!-- fact: deepspeed.zero0_replicates -->
+
+# %%
+facts.show("deepspeed.bf16_master_weights_option", "deepspeed.no_bf16_keeps_model_dtype",
+           "accelerate.fsdp2_ignores_prefetch_keys", "deepspeed.prefetch_bucket_elements")
+# the table's notes rest on:
+# fact: torch.hybrid_shard_replicates
+# fact: deepspeed.hpz_secondary_shard
+# fact: torch.fsdp2_cpu_offload_all
+# fact: deepspeed.offload_keys
+# fact: accelerate.low_memory_loading
+# fact: accelerate.full_state_dict_one_file
+# fact: deepspeed.save_16bit_one_file
+# fact: torch.fsdp2_default_backward_prefetch
+# fact: accelerate.fsdp2_bf16_fp32_shards
+# fact: deepspeed.bf16_default_dtypes
+# fact: deepspeed.zero0_bf16_optimizer
+# fact: accelerate.no_reduce_dtype_key
+# fact: deepspeed.reduce_dtype_keys
+# fact: deepspeed.gradient_clipping_default
+pd.set_option("display.max_colwidth", None)  # every note whole
+pd.DataFrame(mapping.settings_rows()).set_index("topic")
+
+# %% language="bash"
+# python -m helpers.translate launch_configs/fsdp/shard_grad_op.yaml --to deepspeed -o notebooks/runs/01_sgo_as_ds.yaml
+
+# %%
+# the warning printed above rests on:
+# fact: torch.fsdp2_reshard_after_forward
+# fact: deepspeed.zero2_whole_params
+from helpers import translate
+
+sgo = translate.translate("launch_configs/fsdp/shard_grad_op.yaml", "deepspeed")
+fs = translate.translate("launch_configs/fsdp/full_shard.yaml", "deepspeed")
+claim("SHARD_GRAD_OP translates to ZeRO-2 as the nearest choice, with a warning (not exact)",
+      sgo.json["zero_optimization"]["stage"] == 2 and len(sgo.warnings) > 0 and not sgo.exact,
+      warnings=len(sgo.warnings))
+claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["stage"] == 3 and fs.exact,
+      stage=fs.json["zero_optimization"]["stage"], warnings=len(fs.warnings))
+
+# %% [markdown]
+# ## Recap
+#
+# * Fully sharded state falls with the number of ranks (a quarter at 4 ranks, checked above);
+#   NO_SHARD divides nothing, and ZeRO-2 keeps whole parameters.
+# * A ZeRO-1/2 rank holds its 1/N slice of the gradients plus the rest of the parameters that
+#   straddle its slice's edges, byte for byte; ZeRO-3 partitions each parameter and has no overhang.
+# * FULL_SHARD and ZeRO-3 train bit for bit alike at every world size run here; ZeRO-0 runs its own
+#   bf16 optimizer wrapper and parts from NO_SHARD at step 0's gradient norm.
+# * On a CPU the state is under half of a process's memory: the libraries take the rest.
+#
+# Back to the path: `02_precision`.
+

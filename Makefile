@@ -96,10 +96,10 @@ test-unit: setup
 
 # nbval executes every notebook; GUIDE_SIZE=quick runs the same cells with fewer steps. Two notebooks at a
 # time (each one's cells in order on one worker; their runs go to their own notebooks/runs/NN_* dirs), the
-# longest first (at quick size in CI, 08's walk cell alone took 4.7 min, 01's sweep 3.4, 07's and 02's
-# longest cells about 1), so that no worker starts a long one while the other runs out of notebooks
+# longest first (at quick size in CI, 08's walk cell alone took 4.7 min; the deep dives 12, 11 and 17 hold the
+# sweeps 02, 01 and 07 had), so that no worker starts a long one while the other runs out of notebooks
 # (xdist would order them by their number of cells).
-NB_FIRST := $(foreach n,08 01 07 12 02,$(wildcard notebooks/$(n)_*.ipynb))
+NB_FIRST := $(foreach n,08 12 11 17 09 05,$(wildcard notebooks/$(n)_*.ipynb))
 NB_TEST  := $(NB_FIRST) $(filter-out $(NB_FIRST),$(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb)))
 test-notebooks: setup
 	GUIDE_SIZE=quick $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=8 \

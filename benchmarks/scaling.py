@@ -7,8 +7,8 @@ Every point is a real ``helpers.train`` job (FSDP FULL_SHARD next to DeepSpeed
 ZeRO-3, run back to back so a slow spell on a shared machine hits both); its
 run directory stays under ``--runs``, and the CSV holds one row per job, read
 from the run's ``summary.json`` (``helpers.nb.results``), which is what
-notebooks/07_throughput plots. ``--dtype bf16`` is the aligned pair of the
-seeds (fsdp/full_shard.yaml, deepspeed/zero3.yaml); ``fp32`` (the default) the
+notebooks/17_scaling plots. ``--dtype bf16`` is the aligned pair of
+notebook 00 (fsdp/full_shard.yaml, deepspeed/zero3.yaml); ``fp32`` (the default) the
 plain fp32 pair, much faster on CPUs without bf16 instructions. Not a test.
 """
 

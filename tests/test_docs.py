@@ -155,3 +155,24 @@ def test_helpers_names_resolve():
     names = ids(PAGES, r"(?<![\w/.])(helpers(?:\.\w+)+)")
     bad = [n for n in names if not resolves(n)]
     assert not bad, f"named in the pages but not in helpers/: {bad}"
+
+
+# ---- 6. the README's minutes are the committed notebooks' ------------------------------------
+
+ROW = re.compile(r"^\| \[?`(\d\d_\w+)`.*\| *([\d.]+) *\| *([\d.]+) *\|$", re.M)
+
+
+def test_readme_lists_every_notebook_with_its_reading_and_running_minutes():
+    """Reading at 200 words a minute and running as the committed outputs timed it (helpers.nb.freshness.size);
+    `python -m helpers.nb.freshness minutes` prints them. Running within half a minute: a re-execution moves it."""
+    from helpers.nb.freshness import size
+
+    listed = {m[0]: (float(m[1]), float(m[2])) for m in ROW.findall(README.read_text())}
+    notebooks = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(listed) == [p.stem for p in notebooks], "README's notebook tables list another set of notebooks"
+    wrong = {}
+    for p in notebooks:
+        z, (read, run) = size(p), listed[p.stem]
+        if abs(read - z["read_min"]) > 0.15 or abs(run - z["run_min"]) > 0.5:
+            wrong[p.stem] = {"README": (read, run), "committed": (round(z["read_min"], 1), round(z["run_min"], 1))}
+    assert not wrong, f"README minutes (read, run) differ from the committed notebooks: {wrong}"

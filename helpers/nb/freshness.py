@@ -3,6 +3,7 @@
     python -m helpers.nb.freshness stale            # the notebooks whose outputs are stale, one stem a line
     python -m helpers.nb.freshness finish NB.ipynb  # after an execution: tidy the outputs, record the hash
     python -m helpers.nb.freshness prose NB.py      # prose-only edit: copy the .py's markdown into the .ipynb
+    python -m helpers.nb.freshness minutes          # words, cells, minutes to read and to run, per notebook
 
 What a notebook ran on is its code cells (as the .py source holds them) and every file under helpers/
 and launch_configs/. A markdown edit does not make outputs stale (no markdown cell runs); `make
@@ -115,11 +116,41 @@ def prose(py: Path) -> bool:
     return True
 
 
+def size(ipynb: Path) -> dict:
+    """Words of prose, cells, and minutes to read (200 words a minute) and to run (the sum of the code cells'
+    execution times in the committed outputs: the full-size pass that made them)."""
+    import datetime as dt
+    import re
+
+    nb = json.loads(ipynb.read_text())
+    words = sum(len(re.findall(r"\w+", "".join(c["source"]))) for c in nb["cells"] if c["cell_type"] == "markdown")
+    run_s = 0.0
+    for c in nb["cells"]:
+        ex = c.get("metadata", {}).get("execution", {})
+        a, b = ex.get("iopub.execute_input"), ex.get("shell.execute_reply")
+        if c["cell_type"] == "code" and a and b:
+            run_s += (dt.datetime.fromisoformat(b.replace("Z", "+00:00"))
+                      - dt.datetime.fromisoformat(a.replace("Z", "+00:00"))).total_seconds()
+    return {"words": words, "cells": len(nb["cells"]), "read_min": words / 200, "run_min": run_s / 60}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["stale"]:
         for py in stale([Path(a).resolve() for a in argv[1:]] or None):
             print(py.relative_to(Path.cwd()).as_posix() if py.is_relative_to(Path.cwd()) else py)
+        return 0
+    if argv == ["minutes"]:
+        totals = {"core path (00-09)": [0.0, 0.0], "whole guide": [0.0, 0.0]}
+        for ipynb in sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+            z = size(ipynb)
+            print(f"{ipynb.stem:20s} {z['words']:5d} words {z['cells']:3d} cells  read {z['read_min']:4.1f} min  "
+                  f"run {z['run_min']:4.1f} min")
+            for key in totals if int(ipynb.stem[:2]) < 10 else ["whole guide"]:
+                totals[key][0] += z["read_min"]
+                totals[key][1] += z["run_min"]
+        for key, (read, run) in totals.items():
+            print(f"{key:20s} read {read:5.1f} min  run {run:5.1f} min  together {read + run:5.1f} min")
         return 0
     if len(argv) == 2 and argv[0] == "finish":
         finish(Path(argv[1]).resolve())

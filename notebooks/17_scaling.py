@@ -1,0 +1,192 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 17 · Deep dive: throughput and MFU vs model size and ranks
+#
+# **The question.** Notebook 07 counted tokens/s and MFU for one model on this machine. How do they
+# move with the model's size and with the number of ranks, and which dtype is the fast one on this
+# CPU? (A deep dive from notebook 07; the core path goes on with 08.)
+#
+# **What we run.** Both backends over model sizes and over 1, 2 and 4 ranks with
+# `benchmarks/scaling.py`, which launches real `helpers.train` jobs and collects their summaries
+# into a CSV. The sweeps train the **plain fp32 pair** (`fsdp/full_shard_low_precision.yaml
+# --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`), whose speed does not depend on which
+# bf16 instructions a CPU has.
+
+# %%
+import os
+
+import pandas as pd
+import torch
+
+from helpers import facts, nb
+from helpers.job.observe import throughput
+from helpers.nb import plots
+from helpers.nb.claims import claim
+
+SIZE = nb.setup()
+QUICK = SIZE == "quick"
+GPUS = nb.gpu_count()
+NPROC = nb.nproc()
+RANK_SWEEP = nb.world_sizes([1, 2, 4])  # on a GPU node: up to its number of GPUs
+RANK_EXTRA = [n for n in RANK_SWEEP if n != NPROC]  # the NPROC point is the size sweep's own job
+SIZES = ["tiny", "small"] if QUICK else ["tiny", "small", "medium"]
+RANKS_MODEL = "tiny" if QUICK else "small"
+SWEEP = "--steps 5 --micro-batch 2 --seq-len 64 --dtype fp32"
+os.environ.update(NPROC=str(NPROC), SIZES=" ".join(SIZES), RANK_EXTRA=" ".join(map(str, RANK_EXTRA)),
+                  RANKS_MODEL=RANKS_MODEL, SWEEP=SWEEP)
+print(f"size={SIZE}: sizes {SIZES} on {NPROC} ranks; ranks {RANK_SWEEP} on {RANKS_MODEL}")
+
+# %% [markdown]
+# ## bf16 on a CPU: fast or slow, by instruction set
+#
+# How fast a CPU runs a bf16 matmul depends on its instructions (torch's compiled CPU kernels,
+# not checked here). The cell below lists what this one has, measures both peaks here (one
+# thread, three rounds in turn) and checks which dtype is faster (without bf16
+# instructions, fp32 over 3x bf16; with them, bf16 above fp32). On a GPU, bf16 tensor cores
+# are the fast path (not checked here). The peak is measured in the job's dtype, so MFU
+# counts against the arithmetic the job does; each job measures it again (the fp32 sweep's
+# range is printed below).
+
+# %%
+flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+BF16_UNITS = sorted({f for f in flags if "bf16" in f})
+print("bf16 instructions:", BF16_UNITS or "none")
+if not GPUS:
+    torch.set_num_threads(1)  # as each job's rank: one thread
+    peak = {"bf16": 0.0, "fp32": 0.0}
+    for _ in range(3):  # in turn, the best of each
+        for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            peak[name] = max(peak[name], throughput.measure_cpu_peak(dt))
+    print({k: throughput.fmt_flops(v) for k, v in peak.items()}, f"fp32 / bf16 = {peak['fp32'] / peak['bf16']:.2f}")
+    if not BF16_UNITS:
+        claim("this CPU has no bf16 instructions: its fp32 peak is over 3x its bf16 one", peak["fp32"] > 3 * peak["bf16"],
+              ratio=peak["fp32"] / peak["bf16"])
+    else:
+        claim(f"with {', '.join(BF16_UNITS)}, bf16 is the faster path on this CPU", peak["bf16"] > peak["fp32"],
+              bf16_over_fp32=peak["bf16"] / peak["fp32"])
+
+# %% [markdown]
+# ## 1 · Throughput and MFU vs model size
+#
+# Both backends, `NPROC` ranks, 2 sequences of 64 tokens per rank per step, fp32.
+# Each line is one real job; the CSV is read back below.
+
+# %% language="bash"
+# python benchmarks/scaling.py --models $SIZES --world-sizes $NPROC $SWEEP --out notebooks/runs/07_size.csv
+
+# %%
+size = pd.read_csv("notebooks/runs/07_size.csv")
+print(f"the fp32 jobs measured peaks of {throughput.fmt_flops(size.peak_flops.min())} to "
+      f"{throughput.fmt_flops(size.peak_flops.max())} per rank")
+size[["backend", "model", "num_params", "flops_per_token", "step_time_s", "tokens_per_s_per_rank", "mfu"]].round(3)
+
+# %%
+fig, (left, right) = plots.plt.subplots(1, 2)
+for backend, g in size.groupby("backend"):
+    kw = dict(color=plots.COLORS[backend], label=backend, **plots.LINES[backend])
+    left.plot(g.num_params, g.tokens_per_s_per_rank, **kw)
+    right.plot(g.num_params, g.mfu, **kw)
+left.set(xscale="log", yscale="log", xlabel="parameters", ylabel="tokens/s per rank", title="throughput vs size")
+right.set(xscale="log", xlabel="parameters", ylabel="MFU", title="MFU vs size", ylim=(0, 1.2 * size.mfu.max()))
+left.legend(), right.legend()
+fig.tight_layout()
+
+# %%
+by = size.set_index(["backend", "model"])
+COLS = ("fsdp", "deepspeed")
+mfu = {b: [round(float(by.loc[(b, m), "mfu"]), 3) for m in SIZES] for b in COLS}
+toks = {b: [round(float(by.loc[(b, m), "tokens_per_s_per_rank"]), 1) for m in SIZES] for b in COLS}
+claim(f"on both backends each larger size processes fewer tokens per second ({' > '.join(SIZES)})",
+      all(all(x > y for x, y in zip(v, v[1:])) for v in toks.values()), tokens_per_s=toks)
+claim(f"and uses the core better: MFU is higher for every larger size than for tiny ({', '.join(SIZES[1:])})",
+      all(min(v[1:]) > v[0] for v in mfu.values()), mfu_by_size=mfu)
+rising = all(v == sorted(v) for v in mfu.values())
+print(f"MFU {'rises' if rising else 'does not rise'} at every step up in size here ({' -> '.join(SIZES)}): {mfu}")
+print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not a comparison of the backends):",
+      {m: round(float(by.loc[("fsdp", m), "step_time_s"] / by.loc[("deepspeed", m), "step_time_s"]), 2)
+       for m in SIZES})
+
+# %% [markdown]
+# **What it means.** Bigger models process fewer tokens per second (more FLOPs per token),
+# and the ones larger than `tiny` use the core better than `tiny` does. Our reading (the
+# fixed costs are not measured here): a `tiny` step is a few small matmuls wrapped in fixed costs —
+# Python, launching each op, the optimizer's per-parameter loop (FSDP's; DeepSpeed steps one
+# flat partition), gloo's collectives (FSDP gathers each layer twice, reduces it once) — which do
+# no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> As the matmuls grow, those costs
+# shrink relative to the arithmetic, and MFU is higher than tiny's. Whether it keeps rising
+# with every size is the line above: it need not on a CPU, where a larger model's weights
+# and activations also outgrow the caches (we have not broken `medium`'s step down). The last
+# line compares the backends at each size from one short job each: with no spread to read,
+# it is a pointer for your own runs, not a result (notebook 07's repeated pair is the comparison).
+#
+# ## 2 · Throughput and MFU vs ranks
+#
+# The same model on 1, 2 and 4 ranks (on a GPU node: as many of those as it has GPUs). On a
+# CPU machine with 2 cores (this one's count is printed below), at 4 ranks two ranks share
+# each core. The point at this
+# machine's own rank count is the size sweep's job (the same command), not run twice.
+
+# %% language="bash"
+# python benchmarks/scaling.py --models $RANKS_MODEL --world-sizes $RANK_EXTRA $SWEEP --out notebooks/runs/07_ranks.csv
+
+# %%
+facts.show("torch.fsdp2_collective_counts", "torch.adamw_foreach_false_loops", "deepspeed.zero3_steps_one_flat_partition")
+ranks = pd.concat([pd.read_csv("notebooks/runs/07_ranks.csv"),
+                   size[(size.model == RANKS_MODEL) & (size.world_size == NPROC)]]).sort_values("world_size")
+ranks = ranks.reset_index(drop=True)
+fig, (left, right) = plots.plt.subplots(1, 2)
+for backend, g in ranks.groupby("backend"):
+    kw = dict(color=plots.COLORS[backend], label=backend, **plots.LINES[backend])
+    left.plot(g.world_size, g.tokens_per_s, **kw)
+    right.plot(g.world_size, g.mfu, **kw)
+left.set(xlabel="ranks", ylabel="tokens/s, all ranks", title=f"{RANKS_MODEL}: total throughput", xticks=RANK_SWEEP)
+right.set(xlabel="ranks", ylabel="MFU (per rank)", title="MFU vs ranks", xticks=RANK_SWEEP,
+          ylim=(0, 1.2 * ranks.mfu.max()))
+left.legend(), right.legend()
+fig.tight_layout()
+ranks[["backend", "world_size", "step_time_s", "tokens_per_s_per_rank", "tokens_per_s", "mfu"]].round(3)
+
+# %%
+rk = ranks.set_index(["backend", "world_size"])
+CORES = os.cpu_count()
+print(f"cores on this machine: {CORES}")
+for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a GPU node each rank has its GPU
+    two, four = rk.loc[(backend, 2)], rk.loc[(backend, 4)]
+    # one short job per point, made one after the other: these ratios are printed, not compared (a timing
+    # verdict needs repeated, interleaved runs: helpers.nb.claims.timing_runs)
+    print(f"{backend}: 4 ranks over 2, per rank {four.tokens_per_s_per_rank / two.tokens_per_s_per_rank:.2f}x, "
+          f"all ranks {four.tokens_per_s / two.tokens_per_s:.2f}x (one short job each)")
+if not GPUS:
+    print(f"at 4 ranks on {CORES} cores: {4 / CORES:g} ranks per core")
+
+# %% [markdown]
+# **What it means.** On this 2-core machine, 4 ranks put two ranks on each core (printed above),
+# so each shares its core's peak with another rank. How much slower that makes a rank depends on
+# how much of its step it waits in collectives, leaving the core to the other rank; the ratios
+# above come from one short job each and move from run to run on a shared machine, so no speed
+# conclusion is drawn from them. On a GPU node every rank has its own device.
+#
+# ## Recap
+#
+# * Bigger models process fewer tokens per second, and the ones larger than `tiny` use the core
+#   better (higher MFU); fixed costs per op are our reading of why.
+# * Ranks beyond the cores make no rank faster: they share the cores.
+# * On a CPU, which dtype is fast depends on its instructions (the check above); MFU is always
+#   counted against the peak in the job's own dtype.
+#
+# Back to the path: `08_batch_size`.
+

@@ -129,6 +129,10 @@ notebooks: setup
 		$(PY) -m helpers.nb.freshness finish "$${f%.py}.ipynb"; \
 	done
 
+# each notebook's words, cells and minutes to read and to run (from its committed outputs), and the totals
+minutes: setup
+	@$(PY) -m helpers.nb.freshness minutes
+
 lint: setup
 	$(VENV)/bin/ruff check .
 

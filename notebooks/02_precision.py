@@ -30,9 +30,7 @@
 # | FSDP low precision | `launch_configs/fsdp/full_shard_low_precision.yaml` | bf16 / bf16 <!-- fact: torch.fsdp2_bf16_model_bf16_optimizer --> |
 # | FSDP aligned (mixed precision) | `launch_configs/fsdp/full_shard.yaml` | fp32 / fp32 <!-- fact: accelerate.fsdp2_upcasts_with_mixed_precision --> |
 # | DeepSpeed ZeRO-3 | `launch_configs/deepspeed/zero3.yaml` | bf16 + fp32 master / fp32 <!-- fact: deepspeed.zero3_bf16_dtypes --> |
-#
-# We look at the loss curves (1), the write-up's two "fixes" (2), the dtype of every stage (3),
-# how many weights a step changes (4) and what fp32 costs in memory (5).
+
 
 # %%
 import os
@@ -46,7 +44,7 @@ SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 40 if SIZE == "quick" else 60  # steps of every run
 GPUS = nb.gpu_count()
 NPROC = nb.nproc()
-LR = 1e-5  # where bf16 updates round away (section 1 checks it)
+LR = 1e-5  # where bf16 updates round away (section 4 counts it)
 LR_SCALED = LR * NPROC  # the write-up's first fix: the rate times the number of ranks
 LR_HIGH = 1e-4  # its second fix: another rate for everyone
 ARGS = "--model tiny --micro-batch 8 --seq-len 32"  # tiny: NPROC x 8 x 32 tokens per step
@@ -70,7 +68,7 @@ facts.show("accelerate.fsdp2_upcasts_with_mixed_precision")
 # %% [markdown]
 # ## 1 · Three modes, one learning rate
 #
-# The model learns arithmetic progressions; every mode sees the same batches.
+# The model learns arithmetic progressions; every mode is fed the same seeded batches.
 
 # %% language="bash"
 # for mode in fsdp/full_shard_low_precision fsdp/full_shard deepspeed/zero3; do
@@ -93,13 +91,17 @@ fig.tight_layout()
 
 # %% [markdown]
 # **What it shows.** Aligned FSDP and DeepSpeed draw one line; the low-precision run's drop is
-# under a third of theirs (checked below). Only the dtype the optimizer works in differs.
+# under a third of theirs (checked below). What differs is the dtype the weights are kept and updated
+# in (section 3 shows every stage).
 
 # %%
 claim("the three runs start from the same loss",
       low.summary["losses"][0] == mixed.summary["losses"][0] == ds.summary["losses"][0], start=low.summary["losses"][0])
+gap = max(abs(a - b) for a, b in zip(mixed.summary["losses"], ds.summary["losses"], strict=True))
 if nb.bitwise_parity_expected(NPROC):  # bit for bit (CPU; GPU: see nb.bitwise_parity_expected)
-    claim("aligned FSDP and DeepSpeed draw one line (identical losses)", mixed.summary["losses"] == ds.summary["losses"])
+    claim("aligned FSDP and DeepSpeed draw one line (identical losses)", gap == 0, largest_gap=gap)
+else:
+    claim("aligned FSDP and DeepSpeed draw one line (losses within 1e-2)", gap < 1e-2, largest_gap=gap)
 ratio = drops["FSDP low precision"] / drops["FSDP aligned"]
 claim(f"at lr {LR} the low-precision run's loss drop is under a third of the aligned run's",
       ratio < 1 / 3, drops=drops, low_over_aligned=ratio)
@@ -133,7 +135,7 @@ fig.tight_layout()
 # %% [markdown]
 # **What each fix does.** A larger rate makes more updates survive bf16 rounding, so more weights
 # change per step (printed below) and the low-precision run moves. <!-- fact: torch.bf16_small_update_rounds_away -->
-# Nothing ties the factor to the number of ranks: bf16's rounding step depends on the weights, not
+# Nothing ties the factor to the number of ranks (an argument, not a run): bf16's rounding step depends on the weights, not
 # on the world size. Either fix is a different training run, and the cause stays: a schedule that
 # decays the rate would meet it again (not run here). The fix that keeps the rate is the aligned
 # mode, at the memory cost of section 5.
@@ -155,7 +157,7 @@ claim("the larger the rate, the more of the low-precision run's bf16 weights cha
 #
 # Each job followed one weight (`model.layers.0.self_attn.q_proj.weight`) through step 1 and wrote
 # each stage's dtype to `summary.json` (`helpers.job.observe.precision`). Cells that contradict the
-# write-up's precision table say so.
+# write-up's precision table say so; a blank `write-up's row` is a stage its table leaves out.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -218,18 +220,20 @@ claim("even the busiest aligned step leaves about a fifth unchanged: the unused 
       0.15 < never < 0.25 and abs(never - unused) < 0.005, unchanged_in_busiest_step=never, unused_rows=unused)
 steady = mixed.metrics["updated_fraction"].iloc[5:]
 print("weight decay:", mixed.summary["effective"]["weight_decay"])
-claim("with fp32 shards nearly every weight that has a gradient moves at every step: every step after warm-up "
+claim("with fp32 shards nearly every weight that has a gradient moves at every step: every step from step 5 on "
       "changes all but the unused rows (within 0.1 point)", bool((steady > 1 - unused - 0.001).all()),
       fewest_changed=float(steady.min()), all_but_unused=1 - unused)
-claim("more of the bf16 weights change per step in the aligned run than in the low-precision run (by over a third)",
-      frac["FSDP low precision"][0] < 0.75 * frac["FSDP aligned"][1],
+claim("over 1.6x as many of the bf16 weights change per step in the aligned run as in the low-precision run",
+      frac["FSDP aligned"][1] > 1.6 * frac["FSDP low precision"][0],
       low_precision=frac["FSDP low precision"][0], aligned_bf16=frac["FSDP aligned"][1])
-claim("the aligned FSDP and DeepSpeed curves of the bf16 weights coincide, step for step",
-      mixed.metrics["updated_fraction_compute"].tolist() == ds.metrics["updated_fraction_compute"].tolist())
+if nb.bitwise_parity_expected(NPROC):  # as the losses above
+    claim("the aligned FSDP and DeepSpeed curves of the bf16 weights coincide, step for step",
+          mixed.metrics["updated_fraction_compute"].tolist() == ds.metrics["updated_fraction_compute"].tolist(),
+          aligned_fsdp=mixed.metrics["updated_fraction_compute"].round(4).tolist()[:8])
 
 # %% [markdown]
-# **What it shows.** With fp32 shards every weight with a gradient moves at every step, and small
-# moves add up until they cross a bf16 rounding boundary. In the low-precision run a move under
+# **What it shows.** With fp32 shards nearly every weight with a gradient moves at every step, and
+# small moves add up until they cross a bf16 rounding boundary (our reading of the two curves). In the low-precision run a move under
 # half a rounding step (up to about |w| / 256) is lost for good. <!-- fact: torch.bf16_small_update_rounds_away -->
 # The aligned FSDP and DeepSpeed curves coincide: DeepSpeed's bf16 shard is its fp32 master
 # rounded, <!-- fact: deepspeed.zero3_bf16_partition_is_rounded_master --> which is what FSDP's forward gathers.
@@ -263,7 +267,12 @@ from helpers.core.footprint import PERSISTENCE_DEFAULT  # noqa: E402
 from helpers.core.models import model_config, resolve_model  # noqa: E402
 
 with torch.device("meta"):  # the tiny model's shapes, no memory
-    shapes = [p.shape for p in AutoModelForCausalLM.from_config(model_config(resolve_model("tiny"))).parameters()]
+    named = [(n, p.shape) for n, p in AutoModelForCausalLM.from_config(model_config(resolve_model("tiny")))
+             .named_parameters()]
+shapes = [s for _, s in named]
+big = sorted(n for n, s in named if s.numel() > PERSISTENCE_DEFAULT)
+claim("in this tiny model every weight but the embedding and lm_head is under the persistence threshold",
+      big == ["lm_head.weight", "model.embed_tokens.weight"], above_threshold=big)
 persistent = sum(s.numel() for s in shapes if s.numel() <= PERSISTENCE_DEFAULT)  # fact: deepspeed.zero3_persistent_keep_partition
 print("largest weight under the threshold:", max((tuple(s) for s in shapes if s.numel() <= PERSISTENCE_DEFAULT),
                                                  key=lambda t: torch.Size(t).numel()),

@@ -58,7 +58,7 @@ print(f"size={SIZE}: pair {PAIR_STEPS} steps on {NPROC} ranks; warm-up steps lef
 #   or `--peak-tflops`. On a CPU each job **measures** it at start: rank 0 times a 512x512 matmul
 #   in the job's compute dtype on its one thread.
 # * **Warm-up**: the first two steps are left out of the medians (first-touch allocations, lazily
-#   created optimizer state, the probes). <!-- fact: torch.adam_state_lazy --> <!-- fact: deepspeed.zero3_optimizer_state_lazy -->
+#   created optimizer state, the memory and dtype probes at step 1). <!-- fact: torch.adam_state_lazy --> <!-- fact: deepspeed.zero3_optimizer_state_lazy -->
 #
 # The FLOPs of our presets, from the function the jobs call:
 
@@ -73,7 +73,9 @@ for name in models.PRESETS:
                  "FLOPs/token (T=64)": throughput.flops_per_token(m, 64)})
 presets = pd.DataFrame(rows).set_index("model")
 presets["embedding share"] = (presets.embedding / presets.params).round(3)
-print("GPU peaks (TFLOPS) by device and dtype:", throughput.GPU_PEAK_TFLOPS)
+print("GPU dense peaks, TFLOPS (bf16, fp32) by device name:",
+      ", ".join(f"{pat.replace(chr(92) + 'b', '').replace('.*', ' ')} ({b}, {f})" for pat, b, f in
+                throughput.GPU_PEAK_TFLOPS if b))
 presets
 
 # %%
@@ -100,7 +102,7 @@ claim("6 N x tokens/s / peak gives the write-up's MFU within 10% (\"7B\" is a ro
 #
 # The aligned pair of notebook 00 (`full_shard.yaml`, `zero3.yaml`), `tiny`, `NPROC` ranks. It
 # runs twice, in turn (FSDP, DeepSpeed, FSDP, DeepSpeed): a shared machine can slow down in the
-# middle of one job, and only repeated runs made in turn tell that apart from a backend.
+# middle of one job, and repeated runs made in turn help tell that apart from a backend.
 
 # %% language="bash"
 # for rep in 1 2; do
@@ -127,8 +129,10 @@ pair = pd.DataFrame([table_row(r) for r in (fsdp, ds, fsdp_2, ds_2)],
 pd.concat([pair, SEEDS]).round(3)
 
 # %%
-print("peak per rank:", throughput.fmt_flops(fsdp.summary["peak_flops"]), "-", fsdp.summary["peak_flops_source"])
 PAIR_RUNS = (fsdp, ds, fsdp_2, ds_2)
+peaks = [r.summary["peak_flops"] for r in PAIR_RUNS]
+print("peak per rank, as each job measured it:", [throughput.fmt_flops(p) for p in peaks],
+      f"(the largest {max(peaks) / min(peaks) - 1:.0%} above the smallest) -", fsdp.summary["peak_flops_source"])
 claim("every MFU is below 1 against a peak measured in the dtype the job's forward computes in",
       all(0 < r.summary["mfu"] < 1 and (f"dense {r.summary['dtypes']['forward_weight']}" if GPUS else
                                          f"{r.summary['dtypes']['forward_weight']} matmul") in r.summary["peak_flops_source"]
@@ -143,21 +147,27 @@ else:
     claim("the four jobs do the same training (losses within 1e-2)", gap < 1e-2, largest_gap=gap)
 PAIR = timing_runs("FSDP", [fsdp, fsdp_2], "DeepSpeed", [ds, ds_2], metrics.WARMUP_STEPS)
 print(PAIR)
-print(f"FSDP / DeepSpeed tokens/s: {1 / PAIR.ratio:.2f} here (medians), {3158.7 / 3094.5:.2f} in the write-up")
+mean_tps = {b: sum(r.summary["tokens_per_s_per_rank"] for r in runs) / 2
+            for b, runs in (("FSDP", (fsdp, fsdp_2)), ("DeepSpeed", (ds, ds_2)))}
+print(f"FSDP / DeepSpeed tokens/s: {mean_tps['FSDP'] / mean_tps['DeepSpeed']:.2f} here (the mean of two runs each), "
+      f"{3158.7 / 3094.5:.2f} in the write-up")
 tps = max(r.summary["tokens_per_s_per_rank"] for r in (fsdp, fsdp_2))  # FSDP's run with more tokens/s
 achieved = tps * fsdp.summary["flops_per_token"]
-print(f"peak: an A100's 312 TFLOPS is {312e12 / fsdp.summary['peak_flops']:,.0f}x this core's (FSDP run 1's "
-      f"peak); achieved FLOP/s: the write-up's {0.41 * 312e12 / achieved:,.0f}x ours; tokens/s: ours "
-      f"{tps / 3158.7:.1f}x the write-up's (FSDP's run with more tokens/s)")
+peak = sorted(peaks)[len(peaks) // 2]  # the upper median of the four
+print(f"peak: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this core's (the median job's); achieved FLOP/s: the "
+      f"write-up's {0.41 * 312e12 / achieved:,.0f}x ours; FLOPs per token: Granite 7B's 6 N alone "
+      f"{6 * 7e9 / fsdp.summary['flops_per_token']:,.0f}x tiny's")
 
 # %% [markdown]
 # **What it means.** The two backends do the same work. Whether one was faster here is the verdict
 # above: a difference is called only when every run of one is beyond every run of the other and
 # their steps' spreads part; the write-up's two figures (one number each, no spread) differ by 2%.
-# The absolute numbers are not comparable with the write-up's: the last line puts the peaks and
-# the achieved FLOP/s side by side, and our model needs far fewer FLOPs per token.
+# Each job measures its peak again, and the four differ (printed above), so MFU moves with the
+# measured peak as well as with tokens/s: compare the backends by tokens/s. "tokens/s/device" here
+# is per rank; the ranks share one CPU. The absolute numbers are not comparable with the
+# write-up's: the last line puts the peaks, the achieved FLOP/s and the FLOPs per token side by side.
 #
-# ## What limits MFU here, and what changes on a GPU node
+# ## What may limit MFU here (not measured), and what changes on a GPU node
 #
 # * **One thread per rank.** Each rank computes on one core (`OMP_NUM_THREADS=1`); the peak is that
 #   core's. <!-- fact: torch.omp_num_threads_sets_intraop --> On a GPU node every rank has its own device.
@@ -193,7 +203,7 @@ pd.concat([pair.assign(model="tiny"), SEEDS.assign(model="Granite 7B")]).round(3
 # ## Optional: try other settings
 #
 # Nothing below is part of the story above, and nothing runs until you click **Run**. The
-# panel's defaults are this notebook's own command (the aligned pair, `tiny`, `$PAIR_STEPS` steps); it launches the selected configs
+# panel's defaults are this notebook's command, one run per config (the aligned pair, `tiny`, `$PAIR_STEPS` steps); it launches the selected configs
 # into its own run directories (`notebooks/runs/panel_07_*`) and redraws tokens/s per rank and MFU. Try the `small` model, or 1 and 4 ranks (on a CPU, ranks share the cores).
 
 # %%

@@ -18,7 +18,7 @@
 #
 # **The question.** Notebook 01 measured what each sharding mode holds at 2 ranks. Here: how do
 # the bytes fall with 1, 2 and 4 ranks? Exactly how many gradient bytes does a ZeRO-1/2 rank hold?
-# Why does ZeRO-0 train differently from NO_SHARD? How much of a process's memory is the state?
+# Where does ZeRO-0 part from NO_SHARD? How much of a process's memory is the state?
 # And what is the rest of a config, key by key? (A deep dive from notebook 01; the core path goes
 # on with 02.)
 #
@@ -70,7 +70,7 @@ boundary = mem["mode"].isin(["zero1", "zero2"]) & (mem.category == "grads")
 #
 # The fully sharded modes (`full_shard`, `zero3`) divide (nearly) everything by the number of
 # ranks (ZeRO-3 keeps its smallest parameters whole <!-- fact: deepspeed.zero3_persistent_small_params -->);
-# ZeRO-2 keeps whole parameters <!-- fact: deepspeed.zero2_whole_params -->; `no_shard` divides nothing .
+# ZeRO-2 keeps whole parameters <!-- fact: deepspeed.zero2_whole_params -->; `no_shard` divides nothing.
 
 # %%
 facts.show("deepspeed.zero3_persistent_small_params")
@@ -105,11 +105,14 @@ if "zero2" in sweep_modes:  # the model at 2 ranks: (2 + 2/2 + 12/2) / 16 = 9/16
 # ## 2 · ZeRO-1/2's gradient overhang
 #
 # DeepSpeed's stage-1/2 optimizer flattens each optimizer param group
-# (here one: all parameters) into one buffer and gives each rank a contiguous slice of it. <!-- fact: deepspeed.zero12_flat_buffer_per_group -->
+# (the jobs' AdamW has one: all parameters; the fact's check below builds its own test model with
+# two) into one buffer and gives each rank a contiguous slice of it. <!-- fact: deepspeed.zero12_flat_buffer_per_group -->
 # A parameter that straddles a slice edge
 # belongs to each rank it touches, and (with the default bf16 gradient buffer) each keeps that
 # parameter's *whole* gradient until the step. <!-- fact: deepspeed.zero12_straddler_whole_grad --> So a rank holds its 1/N of the gradients plus the rest of the (at most two)
-# parameters that straddle its slice's edges: more when parameters are few and large. The
+# parameters that straddle its slice's edges (so the overhang weighs more when parameters are few
+# and large). ZeRO-1 holds the same at this point: it reduces the gradients into partitions at the
+# accumulation boundary, just before the step (notebook 01). The
 # cell below walks the parameters in order, finds those edges, and checks each rank's bytes
 # against that count exactly. ZeRO-3 partitions each parameter separately and has no such
 # overhang. <!-- fact: deepspeed.zero3_per_param_partitions -->
@@ -146,7 +149,8 @@ claim("ZeRO-1/2 gradients: each rank holds its 1/N slice plus exactly the rest o
 # %% [markdown]
 # ## 3 · Parity at every world size, and ZeRO-0
 #
-# The identity from notebook 00 holds at every world size we ran on the CPU (gloo). On a GPU
+# Notebook 00's identical losses hold at every world size we ran on the CPU (gloo), over these
+# 2-step runs. On a GPU
 # these jobs run without `--deterministic`, so the cell checks that the losses agree within
 # 1e-2 instead; bit for bit there would need `--deterministic` on at most 2 GPUs (beyond 2,
 # nccl may sum in another order <!-- fact: torch.nccl_sum_order -->;
@@ -164,10 +168,11 @@ for ws in sorted(set(mem.world_size)):
             claim(f"{ws} rank(s): FSDP full_shard and ZeRO-3 losses within 1e-2 (nccl)", gap < 1e-2, max_gap=gap)
 
 # %% [markdown]
-# The mapping's "=" is about what is sharded, not about the arithmetic. `NO_SHARD` and ZeRO-0
+# Notebook 01's mapping (NO_SHARD = ZeRO-0) is about what is sharded, not about the arithmetic. `NO_SHARD` and ZeRO-0
 # shard the same thing (nothing) <!-- fact: deepspeed.zero0_replicates -->, but here they do not train bit-identically: DeepSpeed runs
 # ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`) instead of its ZeRO
-# code <!-- fact: deepspeed.zero0_bf16_optimizer -->, and its gradient norm already differs at step 0 (both printed below). We have not traced
+# code <!-- fact: deepspeed.zero0_bf16_optimizer -->, and its losses part from NO_SHARD's (printed below, with step 0's
+# gradient norms, which also differ in the last digits between modes that train alike). We have not traced
 # which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
 # helpers.compare RUN_A RUN_B` names the first step (notebook 12 shows it). ZeRO-1 and ZeRO-2
 # (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->
@@ -191,7 +196,7 @@ claim("ZeRO-0 does not: its losses differ from NO_SHARD's", at2["zero0"]["losses
 # each forward, backward and step; on a GPU, `torch.cuda.max_memory_allocated`). On a
 # CPU it includes what every torch process holds (the libraries it loads) <!-- fact: torch.import_rss -->, so the
 # state of a 21M-parameter model is only part of it (the share is printed below), which is
-# why the state is counted tensor by tensor above.
+# why the jobs count the state tensor by tensor (notebook 01).
 
 # %%
 peaks = pd.DataFrame([{"mode": r.summary["mode_key"], "ranks": r.summary["world_size"],
@@ -258,9 +263,11 @@ claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["s
 #   NO_SHARD divides nothing, and ZeRO-2 keeps whole parameters.
 # * A ZeRO-1/2 rank holds its 1/N slice of the gradients plus the rest of the parameters that
 #   straddle its slice's edges, byte for byte; ZeRO-3 partitions each parameter and has no overhang.
-# * FULL_SHARD and ZeRO-3 train bit for bit alike at every world size run here; ZeRO-0 runs its own
-#   bf16 optimizer wrapper and parts from NO_SHARD at step 0's gradient norm.
-# * On a CPU the state is under half of a process's memory: the libraries take the rest.
+# * FULL_SHARD and ZeRO-3 train bit for bit alike at every world size run here (2-step runs);
+#   ZeRO-0 runs its own bf16 optimizer wrapper and its losses part from NO_SHARD's (where, we have
+#   not traced).
+# * On a CPU the state is under half of a process's peak; the rest (the libraries, activations,
+#   transient copies) is not broken down here.
 #
 # Back to the path: `02_precision`.
 

@@ -16,13 +16,14 @@
 # %% [markdown]
 # # 12 · Deep dive: parity, and what breaks it
 #
-# **The question.** Notebooks 00 and 02 train aligned FSDP and DeepSpeed ZeRO-3 bit for bit
-# alike on the tiny Llama. Which settings does that take, which defaults break it, how do you
+# **The question.** Notebooks 00 and 02 train the *aligned pair* (FSDP with mixed precision,
+# `launch_configs/fsdp/full_shard.yaml`, and DeepSpeed ZeRO-3, `launch_configs/deepspeed/zero3.yaml`)
+# bit for bit alike on the tiny Llama. Which settings does that take, which defaults break it, how do you
 # find the step, tensor and module where two runs part, and does it hold for other model
 # families? (A deep dive from notebook 02; the core path goes on with 03.)
 #
-# **What we run.** (1) The parity conditions, checked in the shipped configs and on one bf16
-# layer; (2) DeepSpeed's implicit clipping against FSDP without and with the same clipping;
+# **What we run.** (1) The parity conditions, the two a config carries checked in the shipped
+# configs and on one bf16 layer; (2) DeepSpeed's implicit clipping against FSDP without and with the same clipping;
 # (3) `helpers.compare` on two pairs that part; (4) gradient accumulation on both backends;
 # (5) `helpers.switch` over twenty model families, and Qwen2 and Llama under ZeRO-3's default linear.
 
@@ -63,19 +64,23 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}, traces of {TRACE} steps, {NP
 #   torch's linear adds the bias inside the matmul. <!-- fact: torch.linear_bias_inside_matmul --> Qwen2
 #   (biased q/k/v projections) then parts from FSDP from step 1 (biases start at zero, so step 0
 #   agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama does not notice. Qwen2 and
-#   Llama are run under it below; GPT-NeoX and StarCoder2 have biased linears too <!-- fact: transformers.family_config_defaults -->,
-#   as do other families in the table below, and would be expected to part the same way (not run
-#   here under that default). The
+#   Llama are run under it below; GPT-NeoX and StarCoder2 have biased `Linear` layers too <!-- fact: transformers.family_config_defaults -->,
+#   and would be expected to part the same way (not run here under that default). The
 #   shipped `zero3*.json` set it to `false` (the next cell checks them); section 5
 #   also runs Qwen2 and Llama without it.
-# * **Reductions and starting weights.** bf16 gradient reductions on both sides, <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
+# * **FSDP's cast of unit inputs.** FSDP2 casts every unit's floating-point inputs to bf16, and
+#   Accelerate leaves that on; <!-- fact: torch.fsdp2_casts_unit_inputs --> a model that hands fp32
+#   tensors from one layer to the next parts (OLMo-2, section 5).
+# * **Reductions and starting weights.** bf16 gradient reductions on both sides (bf16 on the wire;
+#   each side then keeps the reduced gradient in its own dtype, notebook 02's table, and `compare`
+#   below reads the fp32 copy the optimizer uses), <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
 #   bf16-rounded weights (notebook 02's dtype table).
 # * **The gradient norm's arithmetic**, which only clipping reads: FSDP's engine sums the
 #   per-shard norms in ZeRO-3's order <!-- fact: deepspeed.zero3_grad_norm_fp64 --> (another order of the same sum can part in the last
 #   bit).
 # * **Gradient accumulation** agrees closely, not bitwise (section 4).
 #
-# The first two are settings a config carries; the check below reads them from the shipped
+# Clipping and the linear are settings a config carries; the check below reads them from the shipped
 # JSON and shows the two linears on one bf16 layer with a bias.
 
 # %%
@@ -119,8 +124,11 @@ print(json.dumps(ds_json, indent=2))
 
 # %% [markdown]
 # We run it, an aligned FSDP job without clipping and one with the same clipping
-# (`--grad-clip 1.0`), each for `SHORT` steps at `LR_HIGH`, where gradient norms exceed 1.
+# (`--grad-clip 1.0`), each for `SHORT` steps at `LR_HIGH` (the tiny model's gradient norms are above
+# 1 from step 0 on, at either of notebook 02's rates).
 # The first two also write tensor traces (`--trace-tensors`), for `helpers.compare` in section 3.
+# All three train at a constant rate: the JSON has no `scheduler` section, so DeepSpeed builds
+# none, <!-- fact: deepspeed.no_scheduler_section_constant_lr --> and `helpers.train` gives FSDP none.
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/full_shard.yaml \
@@ -161,7 +169,7 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 # Step 0 is identical (the first forward pass does not depend on clipping); from step 1 the
 # runs part. The drift is small, because Adam divides out most of a uniform scaling of the
 # gradient, <!-- fact: torch.adam_divides_out_grad_scale --> but it is still there at the last step: "identical" is gone. FSDP has no clipping in its config
-# (the script calls `accelerator.clip_grad_norm_` itself); <!-- fact: accelerate.clipping_is_the_scripts --> our FSDP engine clips with
+# (an Accelerate script calls `accelerator.clip_grad_norm_` itself); <!-- fact: accelerate.clipping_is_the_scripts --> `helpers.train`'s FSDP engine has its own clipping, with
 # DeepSpeed's formula, the global norm in fp64 over the local grad shards, summed in ZeRO-3's
 # order, and the factor `1 / max((norm + 1e-6) / max_norm, 1)` (`helpers/job/backends/fsdp.py`). <!-- fact: deepspeed.zero3_grad_norm_fp64 -->
 # The line above says whether that matched DeepSpeed bit for bit here.
@@ -174,7 +182,8 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 # exact fingerprint and the dtype of the weight, the gradient before and after reduction, and
 # the update (`helpers/job/observe/tensor_trace.py`); `compare` then names the first tensor that differs,
 # its stage and its dtype on each side. It is the tool to reach for when two backends
-# disagree. Two demos: notebook 02's stalling pair (bf16-only vs aligned FSDP at lr `LR`,
+# disagree. Two demos: notebook 02's stalling pair (FSDP low precision, `full_shard_low_precision.yaml`,
+# whose optimizer works in bf16, vs aligned FSDP, at lr `LR`,
 # `TRACE` steps each), and the clipping breaker of section 2 (the two traced jobs).
 
 # %% language="bash"
@@ -191,8 +200,8 @@ print("FSDP --grad-clip 1.0 vs DeepSpeed's clip at 1.0:",
 
 # %% [markdown]
 # **The stalling pair.** Same weights, same gradients, reduced alike; the first thing that
-# differs is step 0's *update*, stored in bf16 on one side and fp32 on the other, and far
-# fewer elements changed in bf16: the small updates bf16 rounds away. The losses part one
+# differs is step 0's *update*, stored in bf16 on one side and fp32 on the other, and in that
+# tensor far fewer elements changed in bf16: the small updates bf16 rounds away. The losses part one
 # step later, at step 1. **The clipping breaker.** The weights and local gradients agree;
 # the first difference is step 0's reduced gradient as the optimizer reads it, both fp32:
 # DeepSpeed scaled it down (the norm above 1), FSDP did not. <!-- fact: deepspeed.gradient_clipping_default -->
@@ -344,11 +353,15 @@ claim("under DeepSpeed's default linear Qwen2 parts at step 1: same weights, dif
 claim("Llama, without biases, stays identical under the same default", llama_default["identical"])
 
 # %% [markdown]
+# In the settings table, ZeRO-3's rank 0 holds more than a whole copy of the params: it keeps every
+# weight under `stage3_param_persistence_threshold` whole on every rank, next to its partition,
+# and in these tiny models that is nearly every weight (notebook 02, section 5). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
+#
 # On this CPU every family swept is bit-identical under the shipped aligned pair for the steps it
 # ran (the table), every traced weight, gradient, update and module output included, except OLMo-2. Its rotary embedding returns cos and
 # sin in fp32 <!-- fact: transformers.olmo2_rotary_fp32 -->, and FSDP2 casts every unit's inputs to
 # bf16 before the unit runs <!-- fact: torch.fsdp2_casts_unit_inputs -->, so its layers rotate
-# queries and keys with bf16 angles under FSDP and fp32 ones under DeepSpeed. The trace's first
+# queries and keys with bf16 cos/sin under FSDP and fp32 ones under DeepSpeed. The trace's first
 # differing module is `o_proj`, right after the attention (the attention is a function, not a
 # module). Neither side is wrong; they differ, and `switch` says where (the rule it applied is
 # a diagnosis: the two facts printed above are the mechanism). Under DeepSpeed's default
@@ -373,14 +386,14 @@ print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.d
 # %% [markdown]
 # * Parity takes explicit choices: the same reductions and starting weights, and no DeepSpeed
 #   default left implicit. Clipping at 1.0 when `gradient_clipping` is absent, and ZeRO-3's own
-#   linear for biased layers, <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
+#   linear for biased `Linear` layers, <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
 # * Gradient accumulation agrees closely but not bitwise: the backends reduce and accumulate in a
 #   different order. <!-- fact: deepspeed.zero3_adds_reduced_grads -->
 # * `python -m helpers.compare` names the first step, and with `--trace-tensors` the first
 #   tensor, stage and dtypes, where two runs part: the bf16 update of the stalling pair, the
-#   clipped gradient of the implicit default.
+#   reduced gradient (where the implicit clip acted) of the implicit default.
 # * `python -m helpers.switch` runs both backends on any model config and names the first module
-#   that differs: every family swept is identical but OLMo-2 (FSDP casts its fp32 rotary angles to
-#   bf16).
+#   that differs: every family swept is identical but OLMo-2 (FSDP casts its fp32 rotary cos/sin to
+#   bf16): a third breaker, an FSDP default.
 #
 # Back to the path: `03_offload`.

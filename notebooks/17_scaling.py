@@ -58,7 +58,7 @@ print(f"size={SIZE}: sizes {SIZES} on {NPROC} ranks; ranks {RANK_SWEEP} on {RANK
 # thread, three rounds in turn) and checks which dtype is faster (without bf16
 # instructions, fp32 over 3x bf16; with them, bf16 above fp32). On a GPU, bf16 tensor cores
 # are the fast path (not checked here). The peak is measured in the job's dtype, so MFU
-# counts against the arithmetic the job does; each job measures it again (the fp32 sweep's
+# counts against the arithmetic the job does; each job measures it again (the size sweep's
 # range is printed below).
 
 # %%
@@ -122,16 +122,17 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 
 # %% [markdown]
 # **What it means.** Bigger models process fewer tokens per second (more FLOPs per token),
-# and the ones larger than `tiny` use the core better than `tiny` does. Our reading (the
+# and the ones larger than `tiny` use the core better than `tiny` does (each MFU against its own
+# job's measured peak, which moves from job to job: the range printed above). Our reading (the
 # fixed costs are not measured here): a `tiny` step is a few small matmuls wrapped in fixed costs —
 # Python, launching each op, the optimizer's per-parameter loop (FSDP's; DeepSpeed steps one
-# flat partition), gloo's collectives (FSDP gathers each layer twice, reduces it once) — which do
+# flat partition), gloo's collectives (FSDP gathers each unit, again in backward when it resharded after forward, and reduces it once) — which do
 # no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> As the matmuls grow, those costs
 # shrink relative to the arithmetic, and MFU is higher than tiny's. Whether it keeps rising
 # with every size is the line above: it need not on a CPU, where a larger model's weights
 # and activations also outgrow the caches (we have not broken `medium`'s step down). The last
 # line compares the backends at each size from one short job each: with no spread to read,
-# it is a pointer for your own runs, not a result (notebook 07's repeated pair is the comparison).
+# it is a pointer for your own runs, not a result (notebook 07's repeated pair shows how to compare backends).
 #
 # ## 2 · Throughput and MFU vs ranks
 #
@@ -184,9 +185,10 @@ if not GPUS:
 #
 # * Bigger models process fewer tokens per second, and the ones larger than `tiny` use the core
 #   better (higher MFU); fixed costs per op are our reading of why.
-# * Ranks beyond the cores make no rank faster: they share the cores.
-# * On a CPU, which dtype is fast depends on its instructions (the check above); MFU is always
-#   counted against the peak in the job's own dtype.
+# * Ranks beyond the cores share them; the ratios above are one short job each, so no speed
+#   conclusion is drawn from them.
+# * On a CPU, which dtype is fast depends on its instructions (the check above); each job counts
+#   MFU against a peak in its own dtype.
 #
 # Back to the path: `08_batch_size`.
 

@@ -164,7 +164,7 @@ ROW = re.compile(r"^\| \[?`(\d\d_\w+)`.*\| *([\d.]+) *\| *([\d.]+) *\|$", re.M)
 
 def test_readme_lists_every_notebook_with_its_reading_and_running_minutes():
     """Reading at 200 words a minute and running as the committed outputs timed it (helpers.nb.freshness.size);
-    `python -m helpers.nb.freshness minutes` prints them. Running within half a minute: a re-execution moves it."""
+    `make minutes` prints them. Running within half a minute: a re-execution moves it."""
     from helpers.nb.freshness import size
 
     listed = {m[0]: (float(m[1]), float(m[2])) for m in ROW.findall(README.read_text())}

@@ -22,7 +22,7 @@ be measured in parts. ``--repeat`` runs every row over 10% on its worst rank a s
 ``--scored FILE`` also writes the table as JSON: each row's measured and predicted peak per rank, with
 its errors (``helpers.estimate.against``).
 
-``benchmarks/estimate_grid.json`` is such a file, measured on a 2-core CPU (gloo): notebook 08 re-scores
+``benchmarks/estimate_grid.json`` is such a file, measured on a 2-core CPU (gloo): notebook 18 re-scores
 its measurements with the estimator of the day (``helpers.estimate.against``), as ``--recheck`` does.
 Not a test.
 """

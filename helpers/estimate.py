@@ -317,7 +317,7 @@ def errors(predicted: list[float], measured: list[float]) -> dict:
     """A prediction against a run, per rank: ``(predicted - measured) / measured`` on each rank, the rank
     where it errs most (``worst_rank``, ``error``) and the largest predicted peak against the largest
     measured one (``error_of_the_largest``: whether a job fits is decided on its largest rank). Used by
-    ``benchmarks/estimate_grid.py`` and notebook 08."""
+    ``benchmarks/estimate_grid.py`` and notebooks 08 and 18."""
     per_rank = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
     worst = max(range(len(per_rank)), key=lambda r: abs(per_rank[r]))
     return {"per_rank": per_rank, "worst_rank": worst, "error": per_rank[worst],
@@ -333,7 +333,7 @@ def against(row: dict) -> dict:
     ``error_of_the_largest_repeat``) and ``error_without_buckets``, the worst rank's ``(predicted - measured)
     / (measured - buckets)``: DeepSpeed's ZeRO-1/2/3 bucket is counted exactly and can be most of a small
     model's peak, so this scores the rest. How ``benchmarks/estimate_grid.py`` scores a job, and how
-    notebook 08 re-scores the grid's stored measurements with the estimator of the day."""
+    notebook 18 re-scores the grid's stored measurements with the estimator of the day."""
     config = CHECKOUT / mapping.MODES[row["mode"]].config
     e = run(argparse.Namespace(config=str(config), model=row["model"], world_size=row["world_size"],
                                micro_batch=row["micro_batch"], seq_len=row["seq_len"], budget_gib=None,

@@ -237,8 +237,8 @@ recap
 #   ranks; alike in spirit, not in bytes: the table);
 #   <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard -->
 #   ZeRO-1 has no FSDP twin. "=" is about what is sharded, not the arithmetic.
-# * Every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients (a slice plus the
-#   parameters straddling its edges).
+# * Every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients: more than a slice,
+#   by at most two of the largest parameter's bf16 gradients (parameters straddling an edge).
 # * FULL_SHARD (aligned) and ZeRO-3 hold the same total, split differently: fp32 shards and
 #   gradients vs bf16 shards and gradients + fp32 master.
 # * More in the deep dive `11_sharding_details`: 1, 2 and 4 ranks, the ZeRO-1/2 overhang counted,

@@ -304,13 +304,13 @@ print(f"  fix 1, low precision at lr {LR_SCALED}: drop {d_scaled:.3f}; "
 print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.summary['losses']}")
 
 # %% [markdown]
-# * At a small rate, bf16-only FSDP trains far more slowly than aligned FSDP and DeepSpeed: updates
-#   under half a bf16 rounding step vanish.
+# * At a small rate, bf16-only FSDP trains far more slowly than aligned FSDP and DeepSpeed (our
+#   reading of why: bf16 rounds away an update under half its rounding step).
 # * Larger rates move the slow run (the drops above), but are other training runs. Mixed precision
 #   (`mixed_precision: bf16`, fp32 shards) removes the stall for twice the model-state bytes.
 # * The live dtypes confirm the write-up's table for the optimizer, differ on DeepSpeed's stored
 #   shard (bf16), and add bf16 gradient reductions.
-# * Aligned FSDP and DeepSpeed train bit for bit alike here. Which settings that takes, which
+# * Aligned FSDP and DeepSpeed gave bit-identical losses here. Which settings that takes, which
 #   defaults break it, how to find where two runs part, and twenty model families: the deep dive
 #   `12_parity`.
 #

@@ -23,7 +23,7 @@
 #
 # **What we run.** A local pretrained checkpoint (a preset saved with `save_pretrained`:
 # `config.json`, `generation_config.json`, `model.safetensors`), <!-- fact: transformers.save_pretrained_files -->
-# loaded by real jobs in three ways, at 2 and 4 ranks:
+# loaded by real jobs in three ways, at 2 ranks:
 #
 # | method | config key (Accelerate's) | what each rank does |
 # |---|---|---|
@@ -45,13 +45,13 @@ from helpers.job import loading
 from helpers.nb import plots, results
 from helpers.nb.claims import claim
 
-SIZE = nb.setup()  # "quick" under `make test`: a smaller model, 2 ranks only
-MODEL, WORLDS = ("small", [2]) if SIZE == "quick" else ("medium", [2, 4])
-WORLDS = nb.world_sizes(WORLDS)  # on a GPU node: up to its number of GPUs (one per nccl rank)
-assert WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"
+SIZE = nb.setup()  # "quick" under `make test`: a smaller model
+MODEL = "small" if SIZE == "quick" else "medium"
+N = 2  # ranks: one per core here; on a GPU node one per GPU (nccl)
+assert nb.world_sizes([N]), f"this notebook needs {N} ranks; this node has {nb.gpu_count()} GPU(s)"
 PRETRAINED = f"notebooks/runs/05_pretrained_{MODEL}"
-os.environ.update(MODEL=MODEL, PRETRAINED=PRETRAINED, WORLDS=" ".join(map(str, WORLDS)))
-print(f"size={SIZE}: preset {MODEL} at {WORLDS} ranks")
+os.environ.update(MODEL=MODEL, PRETRAINED=PRETRAINED, N=str(N))
+print(f"size={SIZE}: preset {MODEL} at {N} ranks")
 facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FSDP row's second key
 
 # %% [markdown]
@@ -66,7 +66,7 @@ facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FS
 # ls -la $PRETRAINED
 
 # %% [markdown]
-# ## Three loads, per world size
+# ## Three loads
 #
 # One optimizer step each (the load is what we measure; the step only shows the job runs on).
 # The measurement runs from model creation until the weights are sharded: through
@@ -76,13 +76,10 @@ facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FS
 # optimizer's fp32 master partitions, which is not loading). <!-- fact: deepspeed.initialize_fp32_master -->
 
 # %% language="bash"
-# for N in $WORLDS; do
-#   for CFG in fsdp/full_shard fsdp/full_shard_ram_efficient deepspeed/zero3_init; do
-#     NAME=$(basename $CFG)
-#     torchrun --standalone --nproc_per_node $N -m helpers.train --config launch_configs/$CFG.yaml \
-#       --out notebooks/runs/05_${NAME}_$N --model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32 \
-#       | grep loaded
-#   done
+# for CFG in fsdp/full_shard fsdp/full_shard_ram_efficient deepspeed/zero3_init; do
+#   torchrun --standalone --nproc_per_node $N -m helpers.train --config launch_configs/$CFG.yaml \
+#     --out notebooks/runs/05_$(basename $CFG) --model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32 \
+#     | grep loaded
 # done
 
 # %% [markdown]
@@ -99,16 +96,15 @@ facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FS
 # %%
 NAMES = {"full_shard": "naive", "full_shard_ram_efficient": "FSDP RAM-efficient", "zero3_init": "ZeRO-3 init"}
 rows = []
-for n in WORLDS:
-    for name, label in NAMES.items():
-        run = results.load_run(f"notebooks/runs/05_{name}_{n}")
-        ld = run.summary["loading"]
-        for rank, r in enumerate(ld["ranks"]):
-            rows.append(dict(world_size=n, method=label, rank=rank, seconds=r["seconds"],
-                             peak_anon_MiB=r["peak_rss_anon_bytes"] / 2**20,
-                             peak_file_MiB=r["peak_rss_file_bytes"] / 2**20,
-                             after_anon_MiB=r["after_rss_anon_bytes"] / 2**20,
-                             weights_match=ld["weights_match"], used=ld["method"]))
+for name, label in NAMES.items():
+    run = results.load_run(f"notebooks/runs/05_{name}")
+    ld = run.summary["loading"]
+    for rank, r in enumerate(ld["ranks"]):
+        rows.append(dict(method=label, rank=rank, seconds=r["seconds"],
+                         peak_anon_MiB=r["peak_rss_anon_bytes"] / 2**20,
+                         peak_file_MiB=r["peak_rss_file_bytes"] / 2**20,
+                         after_anon_MiB=r["after_rss_anon_bytes"] / 2**20,
+                         weights_match=ld["weights_match"], used=ld["method"]))
 table = pd.DataFrame(rows)
 num_params = run.summary["num_params"]
 print(f"{num_params / 1e6:.1f}M params: {num_params * 4 / 2**20:.0f} MiB in fp32, {num_params * 2 / 2**20:.0f} MiB in bf16")
@@ -116,33 +112,30 @@ table.round(1)
 
 # %%
 full_MiB = num_params * 4 / 2**20  # the whole model in fp32: the file's dtype, and naive's after the upcast
-fig, axes = plots.plt.subplots(1, len(WORLDS), sharey=True, squeeze=False)
-for ax, n in zip(axes[0], WORLDS, strict=True):
-    sub = table[table.world_size == n]
-    width = 0.8 / len(NAMES)
-    for i, label in enumerate(NAMES.values()):
-        s = sub[sub.method == label]
-        ax.bar(s["rank"] + (i - 1) * width, s.peak_anon_MiB, width, label=label,
-               color=plots.COLORS["deepspeed" if label.startswith("ZeRO") else "fsdp"],
-               hatch="//" if label == "naive" else None, edgecolor="white")
-    ax.axhline(full_MiB, color="k", ls="--", lw=1, label="whole model (fp32)")
-    ax.axhline(full_MiB / n, color="k", ls=":", lw=1, label="one shard (fp32)")
-    ax.set(xlabel="rank", ylabel="peak RssAnon above start (MiB)", title=f"{n} ranks", xticks=range(n))
-fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=5, frameon=False)
-fig.tight_layout(rect=(0, 0.08, 1, 1))
+fig, ax = plots.plt.subplots()
+width = 0.8 / len(NAMES)
+for i, label in enumerate(NAMES.values()):
+    s = table[table.method == label]
+    ax.bar(s["rank"] + (i - 1) * width, s.peak_anon_MiB, width, label=label,
+           color=plots.COLORS["deepspeed" if label.startswith("ZeRO") else "fsdp"],
+           hatch="//" if label == "naive" else None, edgecolor="white")
+ax.axhline(full_MiB, color="k", ls="--", lw=1, label="whole model (fp32)")
+ax.axhline(full_MiB / N, color="k", ls=":", lw=1, label="one shard (fp32)")
+ax.set(xlabel="rank", ylabel="peak RssAnon above start (MiB)", title=f"{N} ranks", xticks=range(N))
+fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=3, frameon=False)
+fig.tight_layout(rect=(0, 0.14, 1, 1))
 
 # %% [markdown]
 # **What it means.**
 #
-# * **Naive**: every rank peaks at the whole model in fp32 (after the upcast), the dashed line. Four ranks on one
-#   machine each peak at a full copy, loading side by side.
+# * **Naive**: every rank peaks at the whole model in fp32 (after the upcast), the dashed line. Ranks on one
+#   machine load side by side, each holding its own full copy.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they
 #   peak far below naive. Rank 0 builds the whole state dict in its own memory, in the load
 #   dtype (bf16 here), to broadcast it, <!-- fact: torch.broadcast_from_rank0_per_tensor --> on top of its own fp32 shard, so its
-#   peak stays well above the others'. The saving is largest on the other `world_size - 1`
-#   ranks, none of which holds a copy any more, and that is what decides whether a node runs
-#   out of host memory.
+#   peak stays well above the others'. The saving is on the other `world_size - 1` ranks,
+#   which never build the whole state dict.
 # * **ZeRO-3 init**: each module's parameters are partitioned once the module is created, <!-- fact: deepspeed.zero_init_partitions_on_creation -->
 #   and filled module by module; only rank 0 reads the file <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (`peak_file_MiB`: rank 0's is
 #   the memory-mapped file, page cache, not a copy it made; the others' stays far below). The
@@ -166,22 +159,19 @@ claim("each job used the method its config asks for, and in every job every rank
 BOUND = 0.6 if MODEL == "medium" else 0.8
 # ZeRO-3 init: its own, looser bound
 ZBOUND = 0.7 if MODEL == "medium" else 0.8
-for n in WORLDS:
-    sub = table[table.world_size == n]
-    peak = {label: sub[sub.method == label].set_index("rank").peak_anon_MiB for label in NAMES.values()}
-    naive, ram, zero = peak["naive"], peak["FSDP RAM-efficient"], peak["ZeRO-3 init"]
-    claim(f"{n} ranks, naive: every rank peaks at the whole model (over 90% of its fp32 size)",
-          (naive > 0.9 * full_MiB).all(), peak_MiB=naive.round(0).tolist(), model_MiB=full_MiB)
-    claim(f"{n} ranks, FSDP RAM-efficient: the other ranks peak far below naive (under {BOUND:.0%} of it)",
-          ram.drop(0).max() < BOUND * naive.min(), others_MiB=ram.drop(0).round(0).tolist(), naive_MiB=naive.min())
-    claim(f"{n} ranks, FSDP RAM-efficient: rank 0, which reads the whole state dict, peaks well above the "
-          "others (over 1.3x)", ram[0] > 1.3 * ram.drop(0).max(), rank0_MiB=ram[0], others_max_MiB=ram.drop(0).max())
-    claim(f"{n} ranks, ZeRO-3 init: every rank, rank 0 included, peaks well below naive (under "
-          f"{ZBOUND:.0%} of it)",
-          zero.max() < ZBOUND * naive.min(), peak_MiB=zero.round(0).tolist(), naive_MiB=naive.min())
-    zfile = sub[sub.method == "ZeRO-3 init"].set_index("rank").peak_file_MiB
-    claim(f"{n} ranks, ZeRO-3 init: only rank 0 reads the file (the others' file pages peak under a tenth of its)",
-          zfile.drop(0).max() < 0.1 * zfile[0], rank0_MiB=round(zfile[0], 1), others_MiB=zfile.drop(0).round(1).tolist())
+peak = {label: table[table.method == label].set_index("rank").peak_anon_MiB for label in NAMES.values()}
+naive, ram, zero = peak["naive"], peak["FSDP RAM-efficient"], peak["ZeRO-3 init"]
+claim("naive: every rank peaks at the whole model (over 90% of its fp32 size)",
+      (naive > 0.9 * full_MiB).all(), peak_MiB=naive.round(0).tolist(), model_MiB=full_MiB)
+claim(f"FSDP RAM-efficient: the other ranks peak far below naive (under {BOUND:.0%} of it)",
+      ram.drop(0).max() < BOUND * naive.min(), others_MiB=ram.drop(0).round(0).tolist(), naive_MiB=naive.min())
+claim("FSDP RAM-efficient: rank 0, which reads the whole state dict, peaks well above the others (over 1.3x)",
+      ram[0] > 1.3 * ram.drop(0).max(), rank0_MiB=ram[0], others_max_MiB=ram.drop(0).max())
+claim(f"ZeRO-3 init: every rank, rank 0 included, peaks well below naive (under {ZBOUND:.0%} of it)",
+      zero.max() < ZBOUND * naive.min(), peak_MiB=zero.round(0).tolist(), naive_MiB=naive.min())
+zfile = table[table.method == "ZeRO-3 init"].set_index("rank").peak_file_MiB
+claim("ZeRO-3 init: only rank 0 reads the file (the others' file pages peak under a tenth of its)",
+      zfile.drop(0).max() < 0.1 * zfile[0], rank0_MiB=round(zfile[0], 1), others_MiB=zfile.drop(0).round(1).tolist())
 
 # %% [markdown]
 # ## The rotary-buffer trap
@@ -220,12 +210,10 @@ claim("fix_rotary rebuilt the one rotary module's buffers, each equal to a fresh
 # ## Recap
 
 # %%
-for n in WORLDS:
-    sub = table[table.world_size == n]
-    for label in NAMES.values():
-        s = sub[sub.method == label]
-        print(f"{n} ranks  {label:20s} rank 0 peak {s.peak_anon_MiB.iloc[0]:7.0f} MiB, other ranks max "
-              f"{s[s['rank'] > 0].peak_anon_MiB.max():7.0f} MiB, load {s.seconds.max():5.1f} s")
+for label in NAMES.values():
+    s = table[table.method == label]
+    print(f"{label:20s} rank 0 peak {s.peak_anon_MiB.iloc[0]:7.0f} MiB, other ranks max "
+          f"{s[s['rank'] > 0].peak_anon_MiB.max():7.0f} MiB, load {s.seconds.max():5.1f} s")
 
 # %% [markdown]
 # * Naive loading costs every rank the whole model before sharding.
@@ -236,6 +224,8 @@ for n in WORLDS:
 # * Weights loaded every way equal the file's, value by value on every rank (rounded to the
 #   load dtype).
 # * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict. <!-- fact: transformers.rope_buffers_non_persistent -->
+#
+# Next: `06_checkpointing` (after the optional panel below).
 
 # %% [markdown]
 # ## Optional: try other settings

@@ -16,21 +16,14 @@
 # %% [markdown]
 # # 06 · Checkpointing: save, resume exactly, and switch backends mid-training
 #
-# **The question.** You trained for a while with FSDP. Can you stop, and carry on with
-# DeepSpeed (or the other way round) *as if nothing had happened* — same loss at every
-# later step, to the last bit? And what does each way of saving cost on disk and in time?
+# **The question.** You trained for a while with FSDP. Can you stop and carry on with
+# DeepSpeed (or the other way round) *as if nothing had happened*: the same loss at every
+# later step, to the last bit? And what does each way of saving cost on disk?
 #
 # **What we run.** One uninterrupted FSDP job of `3K` steps that saves a checkpoint every
-# `K` steps. Then a relay: take its step-`K` checkpoint, convert it to DeepSpeed, train
-# steps `K..2K` under ZeRO-3 (saving native DeepSpeed checkpoints with 16-bit weights),
-# convert *that* back to FSDP and finish steps `2K..3K` under FSDP (saving one FULL
-# state dict).
-#
-# **What we look at.** A table of every checkpoint kind — FSDP SHARDED (DCP), FSDP FULL,
-# DeepSpeed ZeRO, DeepSpeed 16-bit, offline conversions — with save time, size and the
-# dtypes of the tensors each save wrote (DeepSpeed's read back from its files; FSDP's and the
-# conversions' from the state they saved: the bytes per parameter confirm them); the relay's
-# loss curve drawn over the uninterrupted one; and DeepSpeed's own tools next to the guide's.
+# `K` steps. Then a relay: its step-`K` checkpoint, converted, resumes under ZeRO-3 for steps
+# `K..2K` (saving DeepSpeed's native checkpoint and 16-bit weights); that one, converted back,
+# resumes under FSDP for steps `2K..3K` (saving one FULL state dict).
 
 # %%
 import json
@@ -38,7 +31,6 @@ import os
 from pathlib import Path
 
 import pandas as pd
-from safetensors.torch import load_file
 
 from helpers import facts, nb
 from helpers.job import checkpoint
@@ -57,23 +49,19 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # ## How a checkpoint is written
 #
 # `--checkpoint-dir D --checkpoint-every K` saves `D/step_K`; `--resume D/step_K` starts
-# the next job there (`--steps` stays the *total*). What gets saved follows the launch
-# config, with Accelerate's keys:
+# the next job there (`--steps` stays the *total*). What is saved follows the launch config,
+# with Accelerate's keys:
 #
 # | config | what is on disk |
 # |---|---|
 # | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it <!-- fact: torch.dcp_file_per_rank --> |
-# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: everything gathered to rank 0, model and optimizer in one file (Accelerate's `save_state` writes the model's into one file too) in the parameters' dtype (fp32 here: the model, built in bf16, is upcast to fp32 before sharding) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
+# | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: model and optimizer gathered to rank 0, in one file (Accelerate's `save_state` writes the model's in one file too), in the parameters' dtype (fp32 here) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
 # | DeepSpeed | `ds/`: `engine.save_checkpoint`, two files per rank (model states, optimizer states) <!-- fact: deepspeed.zero3_checkpoint_files --> |
 # | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
 #
-# Besides model and optimizer, each rank saves its RNG state; the data of a step is a
-# pure function of the step number, so the step counter is the data position.
-#
-# **Atomic saves.** Everything goes to `D/.step_K.tmp`; `meta.json` is written last and the
-# directory is renamed to `D/step_K` only then. A job killed halfway leaves a `.tmp`
-# directory that nothing mistakes for a checkpoint (the tests kill a rank mid-save to
-# check it), and the previous `step_*` untouched.
+# Each rank also saves its RNG state; a step's data is a pure function of the step number,
+# so the step counter is the data position. (A save killed halfway leaves nothing that passes
+# for a checkpoint: the deep dive kills one.)
 #
 # ## The uninterrupted run
 
@@ -86,27 +74,23 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # %% [markdown]
 # ## The relay: FSDP → DeepSpeed → FSDP
 #
-# `python -m helpers.convert SRC DST --to deepspeed|fsdp|hf` reads any of the formats (FSDP
-# sharded or full, DeepSpeed ZeRO stage 0 to 3, any world size: `tests/test_resume_anywhere.py`
-# and `tests/test_convert_layouts.py`; this notebook runs 2 ranks and ZeRO-3) into one consolidated fp32
-# layout — per parameter name: the fp32 weight, Adam's `exp_avg`, `exp_avg_sq` and step —
-# and writes it for the other side:
+# `python -m helpers.convert SRC DST --to deepspeed|fsdp` reads any format (FSDP sharded or
+# full, DeepSpeed ZeRO stage 0 to 3, any world size: `tests/test_resume_anywhere.py`,
+# `tests/test_convert_layouts.py`) into one consolidated fp32 layout (per parameter: the fp32
+# weight, Adam's `exp_avg`, `exp_avg_sq` and step) and writes it for the other side:
 #
-# * `--to fsdp` writes a DCP checkpoint; FSDP reshards it at load time, any world size. <!-- fact: torch.dcp_file_per_rank -->
+# * `--to fsdp` writes a DCP checkpoint, which FSDP reshards as it loads. <!-- fact: torch.dcp_file_per_rank -->
 # * `--to deepspeed` writes the consolidated file. DeepSpeed's native files resume with their
-#   optimizer state only at the world size that wrote them <!-- fact: deepspeed.zero_checkpoint_fixed_world_size --> (its own ways
-#   around that: `ds_to_universal` + `load_universal`, and `zero_to_fp32` for weights only), <!-- fact: deepspeed.universal_checkpoint_tools -->
-#   so the import happens in the job that resumes: weights into the module
-#   *before* `deepspeed.initialize`, then `safe_set_full_fp32_param` for the fp32 master
-#   and `safe_set_full_optimizer_state` for Adam. <!-- fact: deepspeed.safe_set_full_state --> Torch Adam
-#   creates its state lazily, at the first step <!-- fact: torch.adam_state_lazy --> (and ZeRO-1/2 link
-#   each parameter to its slice of it only then), <!-- fact: deepspeed.zero12_link_state_after_step --> so the
-#   job creates and links it first (ZeRO-0, with no partitions, copies into its fp32 masters
-#   directly). Any world size, any ZeRO stage.
-# * `--to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`. <!-- fact: transformers.save_pretrained_files -->
+#   optimizer state only at the world size that wrote them, <!-- fact: deepspeed.zero_checkpoint_fixed_world_size -->
+#   so the resuming job imports it: weights into the module *before* `deepspeed.initialize`,
+#   then `safe_set_full_fp32_param` for the fp32 master and `safe_set_full_optimizer_state`
+#   for Adam. <!-- fact: deepspeed.safe_set_full_state -->
+#
+# Other world sizes, each ZeRO stage's import and DeepSpeed's own tools: the deep dive
+# `16_checkpointing_details`.
 
 # %%
-facts.show("deepspeed.zero_checkpoint_fixed_world_size", "deepspeed.universal_checkpoint_tools")
+facts.show("deepspeed.zero_checkpoint_fixed_world_size")
 
 # %% language="bash"
 # python -m helpers.convert $CK/fsdp/step_$K $CK/to_ds/step_$K --to deepspeed
@@ -123,7 +107,6 @@ facts.show("deepspeed.zero_checkpoint_fixed_world_size", "deepspeed.universal_ch
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
 #     --config launch_configs/fsdp/full_shard_full_state_dict.yaml --out notebooks/runs/06_leg_fsdp \
 #     --model $MODEL --steps $K3 --resume $CK/to_fsdp/step_$K2 --checkpoint-dir $CK/full --checkpoint-every $K
-# python -m helpers.convert $CK/full/step_$K3 $CK/hf --to hf
 
 # %% [markdown]
 # ## One unbroken curve
@@ -148,41 +131,45 @@ right.set(xlabel="step", ylabel="|difference|", title="|relay - uninterrupted| l
 fig.tight_layout()
 
 # %% [markdown]
-# **What it means.** The relay's points sit on the uninterrupted line, and the difference is
-# zero at every step after the first switch (the first K steps are the uninterrupted run's
-# own, where the relay starts). Bit-identical losses over those steps need the weights, Adam's
-# moments and its step counter to have come through both conversions unchanged (the tests
-# compare those tensors themselves: `tests/test_convert_layouts.py`, `tests/test_checkpoint.py`),
-# and FSDP and ZeRO-3 to compute the same bits per step, as they do on CPU/gloo (notebook 00;
-# on GPUs not checked). The jump at step 9 (on 2 ranks) is the loss bump notebook 00 traces to its constant
-# learning rate (printed below), on both lines alike. The checks:
+# **What it means.** The relay's points sit on the uninterrupted line; on this CPU the
+# difference is zero at every step after the first switch. That needs the weights, Adam's
+# moments and its step counter to come through both conversions unchanged (the tests compare
+# those tensors: `tests/test_convert_layouts.py`, `tests/test_checkpoint.py`), and FSDP and
+# ZeRO-3 to compute the same bits per step, as they do on CPU/gloo (notebook 00; on GPUs the
+# check allows 1e-2). The jump at step 9 (on 2 ranks) is the loss bump the deep dive
+# `10_launching_details` traces to the learning rate (printed below), on both lines alike. The checks:
 
 # %%
 claim("the relay's legs ran on the backends they name, each resumed from the other",
       leg_ds.summary["resumed_from"]["backend"] == "fsdp" and leg_ds.backend == "deepspeed"
       and leg_fsdp.summary["resumed_from"]["backend"] == "deepspeed" and leg_fsdp.backend == "fsdp")
 after = straight.metrics.step >= K  # the first K steps are the uninterrupted run's own (the relay starts from them)
-claim(f"the relay's loss is bit-identical to the uninterrupted run's at all {2 * K} steps after the first switch",
-      relay.step.tolist() == list(range(3 * K)) and relay.loss[after.to_numpy()].tolist()
-      == straight.metrics.loss[after].tolist(), max_difference=float(abs(diff[after.to_numpy()]).max()))
+gap = float(abs(diff[after.to_numpy()]).max())
+if nb.bitwise_parity_expected(NPROC):
+    claim(f"the relay's loss is bit-identical to the uninterrupted run's at all {2 * K} steps after the first switch",
+          relay.step.tolist() == list(range(3 * K)) and relay.loss[after.to_numpy()].tolist()
+          == straight.metrics.loss[after].tolist(), max_difference=gap)
+else:
+    claim(f"the relay's loss is within 1e-2 of the uninterrupted run's at all {2 * K} steps after the first switch "
+          "(nccl)", relay.step.tolist() == list(range(3 * K)) and gap < 1e-2, max_difference=gap)
 print("learning rate at every step of the uninterrupted run:", sorted(set(straight.metrics.lr)))
-if 3 * K > 10 and NPROC == 2:  # where the bump falls depends on each rank's slice of the batch (notebook 00)
+if 3 * K > 10 and NPROC == 2:  # where the bump falls depends on each rank's slice of the batch (notebook 10)
     bump = straight.metrics.set_index("step").loss
     claim("the uninterrupted run's loss jumps at step 9 (by over 0.2) and falls back at step 10 (the relay's too: "
           "identical)", bump[9] > bump[8] + 0.2 and bump[10] < bump[9] - 0.2,
           steps_8_9_10=[round(bump[s], 4) for s in (8, 9, 10)])
 
 # %% [markdown]
-# Moving only the weights is not enough for this: Adam would restart with zero moments and
-# step 1, <!-- fact: torch.adam_state_lazy --> so the first update after the switch would differ from the uninterrupted run's.
-# That is why the converter carries the optimizer state too.
+# Weights alone would not do: Adam would restart with zero moments at step 1, <!-- fact: torch.adam_state_lazy -->
+# and the first update after the switch would differ (not run here). So the converter carries
+# the optimizer state too.
 #
 # ## What each kind of checkpoint costs
 #
-# Save time is measured in the job from the barrier before the save to the barrier after
-# it; the DeepSpeed ZeRO-3 row leaves out the 16-bit file's write, which has its own row (the
-# job's `saved` line counts both). Sizes are read from disk. The conversions ran offline, in
-# one process.
+# Save time runs from the barrier before the save to the barrier after it (the ZeRO-3 row
+# leaves out the 16-bit file's write, which has its own row). Sizes are read from disk; dtypes
+# from DeepSpeed's files, and from the state FSDP and the converter saved. The conversions ran
+# offline, in one process.
 
 # %%
 facts.show("deepspeed.zero3_checkpoint_files", "deepspeed.zero3_checkpoint_contents",
@@ -209,10 +196,6 @@ for path, label in ((CK / "to_ds" / f"step_{K}", "convert FSDP -> DeepSpeed"),
     m = json.loads((path / "meta.json").read_text())
     rows.append(dict(kind=label, step=m["step"], save_s=m["convert_seconds"], MB=m["bytes"] / 1e6,
                      dtypes=m["saved_dtypes"]))
-m = json.loads((CK / "hf" / "conversion.json").read_text())
-rows.append(dict(kind="export hf safetensors", step=m["step"], save_s=m["convert_seconds"],
-                 MB=disk(CK / "hf" / "model.safetensors") / 1e6, dtypes={"model": sorted(
-                     {str(v.dtype).removeprefix("torch.") for v in load_file(CK / "hf" / "model.safetensors").values()})}))
 table = pd.DataFrame(rows).set_index("kind")
 table.round({"save_s": 2, "MB": 2})
 
@@ -240,85 +223,18 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
       near("DeepSpeed 16-bit weights", 2, 0.05) and 5.7 < smaller < 6.3
       and table.loc["DeepSpeed 16-bit weights", "dtypes"] == {"model": ["bfloat16"]},
       bytes_per_param=per_param["DeepSpeed 16-bit weights"], ratio=round(smaller, 2))
-claim("the safetensors export holds fp32 weights only: 4 bytes per parameter", near("export hf safetensors", 4, 0.05),
-      bytes_per_param=per_param["export hf safetensors"])
 
 # %% [markdown]
-# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter for
-# both backends as run here: the fp32 master weights (4) plus Adam's two fp32 moments (8)
-# (under ZeRO-1/2 rank 0 also saves the bf16 module; not run here).
-# DeepSpeed's ZeRO-3 optimizer files hold the fp32 partitions and moments, and its model
-# files no weights at all (the table's empty `model`; the bf16 module copy is rebuilt from the
-# partitions); <!-- fact: deepspeed.zero3_checkpoint_contents --> the 16-bit file is about 6x smaller (the ratio above) but holds
-# weights only — good for inference, or for starting a new fine-tune (fresh optimizer) from
-# these weights, not for an exact resume. <!-- fact: deepspeed.save_16bit_model_weights_only -->
+# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter on
+# both backends: fp32 master weights (4) plus Adam's two fp32 moments (8) (under
+# ZeRO-1/2 rank 0 also saves the bf16 module; not run here). DeepSpeed's ZeRO-3 optimizer files
+# hold the fp32 partitions and moments, its model files no weights (the table's empty `model`). <!-- fact: deepspeed.zero3_checkpoint_contents --> The
+# 16-bit file is about 6x smaller but holds weights only: good for inference or a fresh
+# fine-tune, not for an exact resume. <!-- fact: deepspeed.save_16bit_model_weights_only -->
 # FULL and SHARDED hold about the same bytes; the difference is *who writes them*: FULL gathers
-# everything into rank 0's memory and one file, <!-- fact: torch.full_state_dict_rank0 --> SHARDED lets
-# every rank write its own part <!-- fact: torch.dcp_file_per_rank --> (so no rank holds the whole state;
-# the save times above are one save each, not a comparison).
-#
-# ## The exported model loads with transformers
-
-# %%
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-hf = AutoModelForCausalLM.from_pretrained(CK / "hf", dtype=torch.float32)
-full = checkpoint.load_full(CK / "full" / f"step_{3 * K}")["model"]
-claim(f"transformers loads the export as {type(hf).__name__}, every tensor equal to the last checkpoint's",
-      all(torch.equal(p, full[name]) for name, p in hf.named_parameters()),
-      params_M=sum(p.numel() for p in hf.parameters()) / 1e6)
-
-# %% [markdown]
-# ## DeepSpeed's own tools, next to the guide's
-#
-# DeepSpeed's ZeRO files resume only at the world size that wrote them. <!-- fact: deepspeed.zero_checkpoint_fixed_world_size -->
-# Its own answer is the **universal checkpoint**: `helpers.convert --to universal` runs
-# DeepSpeed's `ds_to_universal`, and `deepspeed/zero3_universal.yaml` sets
-# `"checkpoint": {"load_universal": true}`, so DeepSpeed's loader reads it. <!-- fact: deepspeed.universal_checkpoint_tools -->
-# For weights only, a ZeRO-3 checkpoint carries `zero_to_fp32.py`. <!-- fact: deepspeed.zero3_checkpoint_files --> Below, the DeepSpeed
-# leg's step-`2K` checkpoint resumes on **1 rank** two ways, DeepSpeed's universal route and the
-# guide's `--to deepspeed`, and FSDP resumes the uninterrupted run's step-`2K` DCP files (the
-# same state: the relay is bit-identical; DCP reshards as it loads). <!-- fact: torch.dcp_file_per_rank --> Which tool to use when: [docs/checkpoints.md](../docs/checkpoints.md).
-
-# %% language="bash"
-# python -m helpers.convert $CK/ds/step_$K2 $CK/univ/step_$K2 --to universal
-# python -m helpers.convert $CK/ds/step_$K2 $CK/to_ds1/step_$K2 --to deepspeed
-# run1() { torchrun --standalone --nproc_per_node 1 -m helpers.train --model $MODEL --steps $K3 "$@" | tail -n 1; }
-# run1 --config launch_configs/deepspeed/zero3_universal.yaml --out notebooks/runs/06_univ_1 --resume $CK/univ/step_$K2
-# run1 --config launch_configs/deepspeed/zero3.yaml --out notebooks/runs/06_conv_1 --resume $CK/to_ds1/step_$K2
-# run1 --config launch_configs/fsdp/full_shard.yaml --out notebooks/runs/06_dcp_1 --resume $CK/fsdp/step_$K2
-# python $CK/ds/step_$K2/ds/zero_to_fp32.py $CK/ds/step_$K2/ds $CK/zero_to_fp32 --tag ds --safe_serialization \
-#     > /dev/null 2>&1 && ls $CK/zero_to_fp32
-
-# %%
-from helpers import set_ds_accelerator  # noqa: E402
-
-set_ds_accelerator()  # before DeepSpeed is imported (by the converter): CPU here, else CUDA
-from helpers.convert import read_consolidated  # noqa: E402
-from helpers.core import safeload  # noqa: E402
-
-facts.show("deepspeed.universal_checkpoint_tools")
-one = {name: results.load_run(f"notebooks/runs/06_{name}_1") for name in ("univ", "conv", "dcp")}
-print({k: (r.summary["resumed_from"]["format"], r.summary["world_size"]) for k, r in one.items()})
-claim(f"on 1 rank, DeepSpeed's universal route, the guide's conversion and FSDP's own DCP files give the same "
-      f"losses over steps {2 * K}..{3 * K - 1}, bit for bit",
-      [r.summary["resumed_from"]["format"] for r in one.values()] == ["universal", "full", "sharded"]
-      and all(r.summary["world_size"] == 1 for r in one.values())
-      and one["univ"].summary["losses"] == one["conv"].summary["losses"] == one["dcp"].summary["losses"],
-      losses=one["univ"].summary["losses"])
-ds_ck = CK / "ds" / f"step_{2 * K}"
-ours = read_consolidated(ds_ck, checkpoint.read_meta(ds_ck))["model"]
-z2f = load_file(str(CK / "zero_to_fp32" / "model.safetensors"))
-b16 = safeload.load(ds_ck / "model_16bit.bin", "deepspeed")
-claim("weights for inference agree: zero_to_fp32's fp32 weights equal the guide's reading of the same checkpoint, "
-      "and the 16-bit file holds them rounded to bf16",
-      all(torch.equal(z2f[k], t) and torch.equal(b16[k], t.bfloat16()) for k, t in ours.items()),
-      tensors=len(ours))
-
-# %% [markdown]
-# (Resumed on 1 rank, the global batch is half of 2 ranks', so these losses are not the
-# uninterrupted run's; they agree with each other.)
+# everything into rank 0's memory and one file, <!-- fact: torch.full_state_dict_rank0 --> SHARDED
+# lets every rank write its own part <!-- fact: torch.dcp_file_per_rank --> (the save times above
+# are one save each, not a comparison).
 #
 # ## Recap
 #
@@ -335,11 +251,12 @@ for kind, r in table.iterrows():
 # * A checkpoint that resumes exactly holds the model, the optimizer (moments *and* step), the
 #   RNG and the data position (`tests/test_checkpoint.py` and `tests/test_resume_anywhere.py`
 #   resume from each kind).
-# * Another world size, same backend: FSDP's DCP files reshard as they load; for DeepSpeed,
-#   its universal checkpoint and the guide's conversion give the same losses (above).
-# * FSDP and DeepSpeed keep the same fp32 numbers in different layouts <!-- fact: deepspeed.zero3_checkpoint_contents -->;
-#   converting through
-#   one consolidated layout, with the DeepSpeed import done inside the resuming job,
-#   continues training bit-identically in both directions.
-# * Saves are atomic: a checkpoint directory exists only once it is complete
-#   (`tests/test_checkpoint.py` kills a rank in the middle of a save).
+# * FSDP and DeepSpeed keep the same fp32 numbers in different layouts; <!-- fact: deepspeed.zero3_checkpoint_contents -->
+#   converting through one consolidated layout, with the DeepSpeed import done inside the
+#   resuming job, continued training bit-identically in both directions (on this CPU).
+# * A resumable checkpoint is about 12 bytes per parameter on both backends; DeepSpeed's 16-bit
+#   file, about 6x smaller, holds weights only.
+# * More in the deep dive `16_checkpointing_details`: atomic saves, another world size,
+#   DeepSpeed's own tools, weights for inference and each ZeRO stage's import.
+#
+# Next: `07_throughput`.

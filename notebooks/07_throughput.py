@@ -58,7 +58,7 @@ print(f"size={SIZE}: pair {PAIR_STEPS} steps on {NPROC} ranks; warm-up steps lef
 #   or `--peak-tflops`. On a CPU each job **measures** it at start: rank 0 times a 512x512 matmul
 #   in the job's compute dtype on its one thread.
 # * **Warm-up**: the first two steps are left out of the medians (first-touch allocations, lazily
-#   created optimizer state, the memory and dtype probes at step 1). <!-- fact: torch.adam_state_lazy --> <!-- fact: deepspeed.zero3_optimizer_state_lazy -->
+#   created optimizer state, the memory and dtype probes at step 1: what they do, not timed here). <!-- fact: torch.adam_state_lazy --> <!-- fact: deepspeed.zero3_optimizer_state_lazy -->
 #
 # The FLOPs of our presets, from the function the jobs call:
 
@@ -162,7 +162,7 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this core's (the med
 # **What it means.** The two backends do the same work. Whether one was faster here is the verdict
 # above: a difference is called only when every run of one is beyond every run of the other and
 # their steps' spreads part; the write-up's two figures (one number each, no spread) differ by 2%.
-# Each job measures its peak again, and the four differ (printed above), so MFU moves with the
+# Each job measures its peak again, and the four can differ (printed above), so MFU moves with the
 # measured peak as well as with tokens/s: compare the backends by tokens/s. "tokens/s/device" here
 # is per rank; the ranks share one CPU. The absolute numbers are not comparable with the
 # write-up's: the last line puts the peaks, the achieved FLOP/s and the FLOPs per token side by side.

@@ -169,11 +169,11 @@ for ws in sorted(set(mem.world_size)):
 
 # %% [markdown]
 # Notebook 01's mapping (NO_SHARD = ZeRO-0) is about what is sharded, not about the arithmetic. `NO_SHARD` and ZeRO-0
-# shard the same thing (nothing) <!-- fact: deepspeed.zero0_replicates -->, but here they do not train bit-identically: DeepSpeed runs
-# ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`) instead of its ZeRO
-# code <!-- fact: deepspeed.zero0_bf16_optimizer -->, and its losses part from NO_SHARD's (printed below, with step 0's
-# gradient norms, which also differ in the last digits between modes that train alike). We have not traced
-# which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
+# shard the same thing (nothing) <!-- fact: deepspeed.zero0_replicates -->, but here they do not train bit-identically.
+# DeepSpeed runs ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`)
+# instead of its ZeRO code <!-- fact: deepspeed.zero0_bf16_optimizer -->, yet that is not the whole
+# story: the two already differ in step 0's gradient norm, in the fourth digit, before any update
+# (printed below with the losses). We have not traced which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
 # helpers.compare RUN_A RUN_B` names the first step (notebook 12 shows it). ZeRO-1 and ZeRO-2
 # (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->
 
@@ -240,7 +240,7 @@ pd.set_option("display.max_colwidth", None)  # every note whole
 pd.DataFrame(mapping.settings_rows()).set_index("topic")
 
 # %% language="bash"
-# python -m helpers.translate launch_configs/fsdp/shard_grad_op.yaml --to deepspeed -o notebooks/runs/01_sgo_as_ds.yaml
+# python -m helpers.translate launch_configs/fsdp/shard_grad_op.yaml --to deepspeed -o notebooks/runs/11_sgo_as_ds.yaml
 
 # %%
 # the warning printed above rests on:
@@ -264,9 +264,9 @@ claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["s
 # * A ZeRO-1/2 rank holds its 1/N slice of the gradients plus the rest of the parameters that
 #   straddle its slice's edges, byte for byte; ZeRO-3 partitions each parameter and has no overhang.
 # * FULL_SHARD and ZeRO-3 train bit for bit alike at every world size run here (2-step runs);
-#   ZeRO-0 runs its own bf16 optimizer wrapper and its losses part from NO_SHARD's (where, we have
+#   ZeRO-0's losses part from NO_SHARD's, its gradient norm already at step 0 (where, we have
 #   not traced).
-# * On a CPU the state is under half of a process's peak; the rest (the libraries, activations,
+# * On a CPU the state was under half of each 2-rank run's peak here; the rest (the libraries, activations,
 #   transient copies) is not broken down here.
 #
 # Back to the path: `02_precision`.

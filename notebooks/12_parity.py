@@ -52,8 +52,8 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}, traces of {TRACE} steps, {NP
 #
 # The shipped pair (`launch_configs/fsdp/full_shard.yaml`, `launch_configs/deepspeed/zero3.yaml`)
 # trains bit for bit alike on this CPU (notebooks 00 and 02). It takes explicit choices. The first two **parity breakers** below
-# part the two runs when left at their defaults (both shown below); the others are
-# conditions parity needs:
+# part the two runs when left at their defaults (both shown below), the third one family
+# (section 5); the others are conditions parity needs:
 #
 # * **Clipping.** DeepSpeed clips at 1.0 when `gradient_clipping` is absent; <!-- fact: deepspeed.gradient_clipping_default --> FSDP clips only
 #   when the script does. <!-- fact: accelerate.clipping_is_the_scripts --> `zero3.json` says `0.0` (shown next).
@@ -69,8 +69,9 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}, traces of {TRACE} steps, {NP
 #   shipped `zero3*.json` set it to `false` (the next cell checks them); section 5
 #   also runs Qwen2 and Llama without it.
 # * **FSDP's cast of unit inputs.** FSDP2 casts every unit's floating-point inputs to bf16, and
-#   Accelerate leaves that on; <!-- fact: torch.fsdp2_casts_unit_inputs --> a model that hands fp32
-#   tensors from one layer to the next parts (OLMo-2, section 5).
+#   Accelerate leaves that on; <!-- fact: torch.fsdp2_casts_unit_inputs --> a model that makes a
+#   tensor in fp32 outside its layers and hands it to them parts (OLMo-2's rotary embedding,
+#   section 5).
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides (bf16 on the wire;
 #   each side then keeps the reduced gradient in its own dtype, notebook 02's table, and `compare`
 #   below reads the fp32 copy the optimizer uses), <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
@@ -125,7 +126,7 @@ print(json.dumps(ds_json, indent=2))
 # %% [markdown]
 # We run it, an aligned FSDP job without clipping and one with the same clipping
 # (`--grad-clip 1.0`), each for `SHORT` steps at `LR_HIGH` (the tiny model's gradient norms are above
-# 1 from step 0 on, at either of notebook 02's rates).
+# 1 from step 0 on at that rate, checked below).
 # The first two also write tensor traces (`--trace-tensors`), for `helpers.compare` in section 3.
 # All three train at a constant rate: the JSON has no `scheduler` section, so DeepSpeed builds
 # none, <!-- fact: deepspeed.no_scheduler_section_constant_lr --> and `helpers.train` gives FSDP none.
@@ -209,7 +210,7 @@ else:
 # tensor far fewer elements changed in bf16: the small updates bf16 rounds away. The losses part one
 # step later, at step 1. **The clipping breaker.** The weights and local gradients agree;
 # the first difference is step 0's reduced gradient as the optimizer reads it, both fp32:
-# DeepSpeed scaled it down (the norm above 1), FSDP did not. <!-- fact: deepspeed.gradient_clipping_default -->
+# DeepSpeed clipped it (the norm above 1), FSDP did not. <!-- fact: deepspeed.gradient_clipping_default -->
 
 # %%
 from helpers import compare  # noqa: E402
@@ -361,7 +362,8 @@ claim("Llama, without biases, stays identical under the same default", llama_def
 # %% [markdown]
 # In the settings table, ZeRO-3's rank 0 holds more than a whole copy of the params: it keeps every
 # weight under `stage3_param_persistence_threshold` whole on every rank, next to its partition,
-# and in these tiny models that is nearly every weight (notebook 02, section 5). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
+# and in these tiny family models that is every weight (1.50 of a whole copy: half a partition
+# plus the whole). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
 #
 # On this CPU every family swept is bit-identical under the shipped aligned pair for the steps it
 # ran (the table), every traced weight, gradient, update and module output included, except OLMo-2. Its rotary embedding returns cos and
@@ -391,14 +393,14 @@ print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.d
 
 # %% [markdown]
 # * Parity takes explicit choices: the same reductions and starting weights, and no DeepSpeed
-#   default left implicit. Clipping at 1.0 when `gradient_clipping` is absent, and ZeRO-3's own
+#   default left implicit; even then one FSDP default parts one family (last bullet). Clipping at 1.0 when `gradient_clipping` is absent, and ZeRO-3's own
 #   linear for biased `Linear` layers, <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
 # * Gradient accumulation agrees closely but not bitwise: the backends reduce and accumulate in a
 #   different order. <!-- fact: deepspeed.zero3_adds_reduced_grads -->
 # * `python -m helpers.compare` names the first step, and with `--trace-tensors` the first
 #   tensor, stage and dtypes, where two runs part: the bf16 update of the stalling pair, the
 #   reduced gradient (where the implicit clip acted) of the implicit default.
-# * `python -m helpers.switch` runs both backends on any model config and names the first module
+# * `python -m helpers.switch` runs both backends on a model config and names the first module
 #   that differs: every family swept is identical but OLMo-2 (FSDP casts its fp32 rotary cos/sin to
 #   bf16): a third breaker, an FSDP default.
 #

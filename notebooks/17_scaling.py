@@ -86,10 +86,10 @@ if not GPUS:
 # Each line is one real job; the CSV is read back below.
 
 # %% language="bash"
-# python benchmarks/scaling.py --models $SIZES --world-sizes $NPROC $SWEEP --out notebooks/runs/07_size.csv
+# python benchmarks/scaling.py --models $SIZES --world-sizes $NPROC $SWEEP --out notebooks/runs/17_size.csv
 
 # %%
-size = pd.read_csv("notebooks/runs/07_size.csv")
+size = pd.read_csv("notebooks/runs/17_size.csv")
 print(f"the fp32 jobs measured peaks of {throughput.fmt_flops(size.peak_flops.min())} to "
       f"{throughput.fmt_flops(size.peak_flops.max())} per rank")
 size[["backend", "model", "num_params", "flops_per_token", "step_time_s", "tokens_per_s_per_rank", "mfu"]].round(3)
@@ -142,13 +142,15 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 # machine's own rank count is the size sweep's job (the same command), not run twice.
 
 # %% language="bash"
-# python benchmarks/scaling.py --models $RANKS_MODEL --world-sizes $RANK_EXTRA $SWEEP --out notebooks/runs/07_ranks.csv
+# python benchmarks/scaling.py --models $RANKS_MODEL --world-sizes $RANK_EXTRA $SWEEP --out notebooks/runs/17_ranks.csv
 
 # %%
 facts.show("torch.fsdp2_collective_counts", "torch.adamw_foreach_false_loops", "deepspeed.zero3_steps_one_flat_partition")
-ranks = pd.concat([pd.read_csv("notebooks/runs/07_ranks.csv"),
+ranks = pd.concat([pd.read_csv("notebooks/runs/17_ranks.csv"),
                    size[(size.model == RANKS_MODEL) & (size.world_size == NPROC)]]).sort_values("world_size")
 ranks = ranks.reset_index(drop=True)
+print(f"the jobs of this sweep measured peaks of {throughput.fmt_flops(ranks.peak_flops.min())} to "
+      f"{throughput.fmt_flops(ranks.peak_flops.max())} per rank (MFU is against each job's own)")
 fig, (left, right) = plots.plt.subplots(1, 2)
 for backend, g in ranks.groupby("backend"):
     kw = dict(color=plots.COLORS[backend], label=backend, **plots.LINES[backend])
@@ -175,11 +177,11 @@ if not GPUS:
     print(f"at 4 ranks on {CORES} cores: {4 / CORES:g} ranks per core")
 
 # %% [markdown]
-# **What it means.** On this 2-core machine, 4 ranks put two ranks on each core (printed above),
-# so each shares its core's peak with another rank. How much slower that makes a rank depends on
-# how much of its step it waits in collectives, leaving the core to the other rank; the ratios
-# above come from one short job each and move from run to run on a shared machine, so no speed
-# conclusion is drawn from them. On a GPU node every rank has its own device.
+# **What it means.** On this 2-core machine, 4 ranks are two ranks per core on average (printed
+# above), so ranks share a core's peak. How much slower that makes a rank is not measured here
+# (our reading: it depends on how long a rank waits in collectives, leaving the core to the
+# other); the ratios above come from one short job each, so no speed conclusion is drawn from
+# them. On a GPU node every rank has its own device.
 #
 # ## Recap
 #
@@ -187,7 +189,8 @@ if not GPUS:
 #   better (higher MFU); fixed costs per op are our reading of why.
 # * Ranks beyond the cores share them; the ratios above are one short job each, so no speed
 #   conclusion is drawn from them.
-# * On a CPU, which dtype is fast depends on its instructions (the check above); each job counts
+# * On this CPU the check above says which dtype is faster (it depends on the instruction set,
+#   not checked here); each job counts
 #   MFU against a peak in its own dtype.
 #
 # Back to the path: `08_batch_size`.

@@ -56,7 +56,7 @@ def test_run_button_launches_and_redraws(tmp_path, monkeypatch):
 
 REPO = Path(__file__).resolve().parents[1]
 PANEL_NOTEBOOKS = ["00_launching", "01_sharding", "02_precision", "03_offload", "04_prefetch", "05_loading",
-                   "07_throughput", "08_batch_size"]  # 06 relays one run through checkpoints: no single command to vary
+                   "07_throughput", "18_fit_details"]  # 06 relays one run through checkpoints: no single command to vary
 
 
 def _code_cells(name: str) -> list[str]:

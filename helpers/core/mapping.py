@@ -184,8 +184,8 @@ class Setting:
 
 
 SETTINGS: list[Setting] = [
-    Setting("sharding", "fsdp_reshard_after_forward / fsdp_sharding_strategy", "zero_optimization.stage", True,
-            "through MODES: FULL_SHARD = ZeRO-3, NO_SHARD = ZeRO-0; SHARD_GRAD_OP ~ ZeRO-2 and "
+    Setting("sharding", "fsdp_reshard_after_forward / fsdp_sharding_strategy", "zero_optimization.stage", False,
+            "through MODES: exact for FULL_SHARD = ZeRO-3 and NO_SHARD = ZeRO-0; SHARD_GRAD_OP ~ ZeRO-2 and "
             "HYBRID_SHARD ~ ZeRO++ hpZ are the nearest, not the same"),
     Setting("hybrid groups", "parallelism_config_dp_shard_size", "zero_optimization.zero_hpz_partition_size",
             False, "HYBRID_SHARD replicates across groups; hpZ shards across all ranks and adds a "

@@ -1,0 +1,360 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 13 · Deep dive: NVMe offload, its limits, and what the copies cost
+#
+# **The question.** Notebook 03 showed where CPU offload puts each kind of state. Here: what does
+# DeepSpeed's NVMe offload put on disk, and which two limits decide it? What does offload cost in
+# host memory, and in step time on this machine? (A deep dive from notebook 03; the core path goes
+# on with 04.)
+#
+# **What we run.** Notebook 03's five configs and `launch_configs/deepspeed/zero3_nvme.yaml` (both
+# offload keys to `nvme`, a local directory), on the `tiny` model, 2 ranks each (1 on a one-GPU
+# machine; on more, the tiny model's optimizer partitions would fall under NVMe's minimum: the sizes
+# cell below). <!-- fact: deepspeed.nvme_min_aio_bytes --> As in notebook 03, on a CPU-only machine "device" and "host" are the same RAM.
+
+# %%
+import os
+
+from helpers import facts, nb
+from helpers.core.mapping import CATEGORIES
+from helpers.job import ops
+from helpers.nb import plots, results, tables
+from helpers.nb.claims import claim, step_times, timing
+
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
+STEPS = 4 if SIZE == "quick" else 10
+GPUS = nb.gpu_count()
+NPROC = min(GPUS, 2) if GPUS else 2
+ARGS = "--model tiny --micro-batch 8 --seq-len 64"  # notebook 03's jobs: its sizes are printed below
+NVME_OK, NVME_STATE = ops.aio_status()
+os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC), ARGS=ARGS, NVME="1" if NVME_OK else "0",
+                  NVME_STATE=NVME_STATE)
+print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU only: device and host are the same RAM'})")
+
+# %% [markdown]
+# ## Two limits
+#
+# ZeRO-3 keeps parameters of at most `stage3_param_persistence_threshold` elements whole on every
+# rank, next to the compute, offload or not (each still has its 1/N partition, which is what
+# offload moves); <!-- fact: deepspeed.zero3_persistent_small_params --> <!-- fact: deepspeed.zero3_persistent_keep_partition --> and it swaps to NVMe only tensors of at least `MIN_AIO_BYTES`
+# per rank, or the config's `aio.block_size` if that is larger. <!-- fact: deepspeed.nvme_min_aio_bytes --> In the tiny model every
+# decoder-layer weight is under the first and every parameter partition under the second, while the
+# optimizer's fp32 partition (one flat buffer per kind of state per rank) <!-- fact: deepspeed.zero3_one_flat_partition_per_rank --> is over it on 1 or 2
+# ranks. In the `small` model the decoder-layer matrices are over the threshold, so only their
+# partitions are kept, <!-- fact: deepspeed.zero3_persistent_small_params --> and on 2 to 7 ranks the partitions of the embedding and the output
+# layer, and only theirs, are large enough to be swapped; on 8 or more, none is (on one rank, some
+# decoder-layer matrices too). Large enough, but not left on disk: ZeRO-3 swaps them out as it
+# builds the model, then reads them back into a host buffer for good, because `offload_param.max_in_cpu` (1e9 elements by default; our config
+# leaves it) lets every partition of a model this size live in host memory. <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu --> To keep parameters
+# on NVMe, set it below the partitions' total. The two limits, and both models' sizes next to them
+# (bf16 partitions of 1/`NPROC`, built on the meta device: no weights):
+
+# %%
+import json
+from pathlib import Path
+
+from deepspeed.runtime.swap_tensor.utils import AIO_ALIGNED_BYTES, MIN_AIO_BYTES
+
+from helpers.core.models import resolve_model
+from helpers.estimate import is_persistent, persistence_threshold
+from helpers.job.wrap import meta_model
+
+DS_JSONS = [f"launch_configs/{path}.json" for path in ("deepspeed/zero3", "deepspeed/zero3_offload_optimizer",
+                                                        "deepspeed/zero3_offload", "deepspeed/zero3_nvme")]
+THRESHOLDS = {persistence_threshold(json.loads(Path(f).read_text())["zero_optimization"]) for f in DS_JSONS}
+assert len(THRESHOLDS) == 1, f"this notebook's DeepSpeed configs set different persistence thresholds: {THRESHOLDS}"
+THRESHOLD = THRESHOLDS.pop()  # the four DeepSpeed configs run here (each its own value, or DeepSpeed's default)
+NVME_JSON = json.loads(Path("launch_configs/deepspeed/zero3_nvme.json").read_text())
+NVME_MIN = max(MIN_AIO_BYTES, NVME_JSON.get("aio", {}).get("block_size", 0))  # as DeepSpeed's swappers take it
+facts.show("deepspeed.zero3_persistent_small_params", "deepspeed.nvme_min_aio_bytes", "deepspeed.nvme_params_read_back_max_in_cpu")
+print(f"stage3_param_persistence_threshold {THRESHOLD:,} elements; NVMe swaps tensors of at least "
+      f"{NVME_MIN / 2**20:g} MiB per rank")
+SHAPES = {}
+for name in ("tiny", "small"):
+    numel = {n: p.numel() for n, p in meta_model(resolve_model(name)).named_parameters()}
+    layers = {n: v for n, v in numel.items() if ".layers." in n}
+    matrices = [v for n, v in layers.items() if not n.endswith("norm.weight")]
+    SHAPES[name] = dict(numel=numel, params=sum(numel.values()), layer_max=max(layers.values()), layer_matrix_min=min(matrices),
+                        partition_max_bytes=max(numel.values()) * 2 // NPROC,
+                        swappable=sorted(n for n, v in numel.items() if v * 2 // NPROC >= NVME_MIN),
+                        over_threshold=sorted(n for n, v in numel.items() if not is_persistent(v, THRESHOLD)),  # the rest stay whole
+                        persistent_bytes=sum(2 * v for v in numel.values() if is_persistent(v, THRESHOLD)),  # kept whole, bf16
+                        fp32_partition_bytes=4 * -(-sum(numel.values()) // NPROC))  # the optimizer's flat partition
+    print(f"{name:6s} {SHAPES[name]['params'] / 1e6:5.2f}M params; decoder-layer weights {min(layers.values()):,} to "
+          f"{SHAPES[name]['layer_max']:,} elements; over the threshold: "
+          f"{', '.join(over) if len(over := SHAPES[name]['over_threshold']) <= 3 else f'{len(over)} parameters'}; "
+          f"largest bf16 partition "
+          f"{SHAPES[name]['partition_max_bytes'] / 2**20:.2f} MiB per rank; partitions at or over the NVMe minimum: "
+          f"{', '.join(SHAPES[name]['swappable']) or 'none'}; fp32 optimizer partition "
+          f"{SHAPES[name]['fp32_partition_bytes'] / 2**20:.2f} MiB per rank")
+tiny, small = SHAPES["tiny"], SHAPES["small"]
+EMBED_AND_HEAD = ["lm_head.weight", "model.embed_tokens.weight"]
+claim("tiny: only the embedding and the output layer are over the threshold (every decoder-layer weight and the "
+      "final norm are kept whole), and every parameter partition is under the NVMe minimum",
+      tiny["over_threshold"] == EMBED_AND_HEAD and not tiny["swappable"], over_threshold=tiny["over_threshold"])
+claim(f"tiny on {NPROC} ranks: the optimizer's fp32 partition (master, and each of Adam's states) reaches the NVMe "
+      "minimum, so NVMe swaps it", tiny["fp32_partition_bytes"] >= NVME_MIN,
+      partition_MiB=tiny["fp32_partition_bytes"] / 2**20)
+claim("small: every decoder-layer matrix is over the threshold", small["layer_matrix_min"] > THRESHOLD)
+if 2 <= NPROC < 8:
+    claim(f"small on {NPROC} ranks: the embedding's and the output layer's partitions reach the NVMe minimum, "
+          "and no other's", small["swappable"] == EMBED_AND_HEAD, swappable=small["swappable"])
+elif NPROC >= 8:
+    claim(f"small on {NPROC} ranks: no partition reaches the NVMe minimum", not small["swappable"])
+else:
+    claim("small on 1 rank: the embedding, the output layer and some decoder-layer matrices reach the NVMe minimum",
+          set(EMBED_AND_HEAD) < set(small["swappable"]), swappable=small["swappable"])
+# the same counts at other rank counts (shapes only): which partitions NVMe would take
+swap_at = {r: sorted(n for n, v in small["numel"].items() if v * 2 // r >= NVME_MIN) for r in range(1, 10)}
+opt_at = {r: 4 * -(-tiny["params"] // r) >= NVME_MIN for r in range(1, 10)}
+for r in range(1, 10):
+    print(f"{r} ranks: small's partitions at or over the minimum: "
+          f"{'embedding and output layer' if swap_at[r] == EMBED_AND_HEAD else len(swap_at[r]) or 'none'}; "
+          f"tiny's fp32 optimizer partition over it: {opt_at[r]}")
+claim("small: on 2 to 7 ranks exactly the embedding's and the output layer's partitions reach the minimum, on 8 or "
+      "more none, on 1 more than those two",
+      all(swap_at[r] == EMBED_AND_HEAD for r in range(2, 8)) and not any(swap_at[r] for r in (8, 9))
+      and set(EMBED_AND_HEAD) < set(swap_at[1]))
+claim("tiny: the optimizer's fp32 partition reaches the minimum on 1 or 2 ranks, not on 3 or more",
+      opt_at[1] and opt_at[2] and not any(opt_at[r] for r in range(3, 10)))
+
+# %% [markdown]
+# ## NVMe needs a compiled op
+#
+# DeepSpeed reads and writes its swap files with Linux async I/O, a C++ op it compiles once
+# (it needs libaio's header: `apt-get install libaio-dev`). <!-- fact: deepspeed.async_io_needs_libaio --> `make setup` installs the header
+# when it can; the first NVMe job on a machine compiles the op (its `log.txt` says how long it took),
+# and `python -m helpers.warmup --nvme` does it ahead of time. A cell never compiles it without
+# saying so:
+
+# %%
+if not NVME_OK:
+    print(f"NVMe run: SKIPPED here - {NVME_STATE}. The other five runs are unaffected.")
+elif NVME_STATE == "built":
+    print("NVMe run: DeepSpeed's async_io op is built; the NVMe run starts right away.")
+else:
+    print("NVMe run: async_io is NOT built yet. The NVMe cell below waits for a one-time compile "
+          "before its first step (its log.txt says how long it took); `python -m helpers.warmup --nvme` does it "
+          "ahead of time.")
+
+# %% [markdown]
+# ## Six runs
+#
+# The configs' offload keys, as notebook 03 reads them, with NVMe's. They say where each config *asks*
+# each kind of state to go; section 1 shows where the bytes end up: in the tiny model's NVMe run, for
+# one, the parameter partitions stay in host memory, not on disk. <!-- fact: deepspeed.nvme_small_partitions_in_host -->
+
+# %%
+CONFIGS = {"FSDP, no offload": "fsdp/full_shard", "FSDP offload": "fsdp/full_shard_offload",
+           "DeepSpeed, no offload": "deepspeed/zero3", "DeepSpeed optimizer": "deepspeed/zero3_offload_optimizer",
+           "DeepSpeed params + optimizer": "deepspeed/zero3_offload", "DeepSpeed NVMe": "deepspeed/zero3_nvme"}
+print(tables.settings_table(CONFIGS).to_string())
+
+# %% language="bash"
+# for c in fsdp/full_shard fsdp/full_shard_offload deepspeed/zero3 deepspeed/zero3_offload_optimizer deepspeed/zero3_offload; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$c.yaml \
+#         --out notebooks/runs/13_$(basename $c) $ARGS --steps $STEPS | tail -n 1
+# done
+
+# %% [markdown]
+# The NVMe run swaps to a folder on this machine's own disk (the config's `nvme_path` is
+# relative, so `helpers.train` puts it under the system temp dir), linked from the run
+# directory as `nvme_swap`; on a real node point `nvme_path` at a fast local drive:
+
+# %% language="bash"
+# if [ "$NVME" = 1 ]; then
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/deepspeed/zero3_nvme.yaml \
+#         --out notebooks/runs/13_zero3_nvme $ARGS --steps $STEPS | tail -n 1
+#     find notebooks/runs/13_zero3_nvme/nvme_swap/ -name "*.swp" -path "*rank0*" | sort | head -n 8
+# else
+#     echo "skipped: $NVME_STATE"
+# fi
+
+# %%
+RUNS = {label: results.load_run(f"notebooks/runs/13_{path.split('/')[1]}") for label, path in CONFIGS.items()
+        if NVME_OK or "nvme" not in path}
+BASE = {label: RUNS["FSDP, no offload" if label.startswith("FSDP") else "DeepSpeed, no offload"] for label in RUNS}
+print(f"{len(RUNS)} runs loaded" + ("" if NVME_OK else f" (NVMe skipped: {NVME_STATE})"))
+
+# %% [markdown]
+# ## 1 · What NVMe puts where
+#
+# MB held by rank 0, per kind of state, and where (notebook 03 explains the first five rows):
+
+# %%
+print(tables.location_table(RUNS).to_string())
+
+# %% [markdown]
+# * **NVMe**: the fp32 master and Adam's states are swap files on disk (one flat buffer per
+#   kind of state per rank, each over 1 MiB: the swap-file count is printed below). <!-- fact: deepspeed.nvme_swaps_states_not_step --> The
+#   parameter partitions stay in host memory: each is under 1 MiB here, and with `max_in_cpu`
+#   at its default ZeRO-3 would keep larger ones there too (above). <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu -->
+# * Like `offload_optimizer: cpu`, which keeps an fp32 copy of the gradient partition on the host
+#   between steps, <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads --> the NVMe run makes that copy at the end of backward: pieces of at
+#   least 1 MiB would go to swap files, the others wait in host memory for the step (here all of
+#   them: the check below). <!-- fact: deepspeed.nvme_small_grads_wait_in_host --> The swap buffers its optimizer steps through are not in
+#   these counts (section 2 measures them).
+
+# %%
+def places(label, cat, rank=0):
+    return set(tables.where(RUNS[label], cat, rank))
+
+
+R = range(NPROC)
+OPT_OFFLOADED = ["DeepSpeed optimizer"] + (["DeepSpeed NVMe"] if NVME_OK else [])
+host_grads = {label: [tables.where(RUNS[label], "grads", r)["host"] for r in R] for label in OPT_OFFLOADED}
+dev_grads = [sum(tables.where(RUNS["DeepSpeed, no offload"], "grads", r).values()) for r in R]
+fp32_master = [RUNS["DeepSpeed, no offload"].summary["memory_bytes"][r]["master_params"] for r in R]
+claim("after backward, DeepSpeed without offload holds the bf16 gradient partition only (half the fp32 master's "  # fact: deepspeed.offload_optimizer_keeps_fp32_grads
+      "bytes: its fp32 copy is made during the step); with the optimizer offloaded (" + ", ".join(OPT_OFFLOADED)
+      + ") it already holds one more fp32 copy, in host memory, for the host-side step: the extra bytes equal the "
+      "fp32 master's",
+      all(2 * d == m for d, m in zip(dev_grads, fp32_master))
+      and all(h - d == m for hs in host_grads.values() for h, d, m in zip(hs, dev_grads, fp32_master)),
+      host_MB={k: [h / 1e6 for h in v] for k, v in host_grads.items()}, no_offload_MB=[d / 1e6 for d in dev_grads],
+      fp32_master_MB=[m / 1e6 for m in fp32_master])
+if NVME_OK:
+    states = [tables.where(RUNS["DeepSpeed NVMe"], "optimizer_states", r) for r in R]
+    claim("with NVMe the fp32 master is on disk and Adam's states too (all but the step counters)",  # fact: deepspeed.nvme_swaps_states_not_step
+          all(places("DeepSpeed NVMe", "master_params", r) == {"disk"} for r in R)
+          and all(st["disk"] > 1000 * st.get("host", 0) for st in states),
+          disk_MB=[st["disk"] / 1e6 for st in states], host_bytes=[st.get("host", 0) for st in states])
+    if RUNS["DeepSpeed NVMe"].summary["model"] == "tiny":
+        claim("no param partition of the tiny model reaches the NVMe minimum, and none is on disk: "
+              "the partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
+                                                       and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
+    else:  # e.g. small: partitions over the minimum are swapped out at the build, then read back (max_in_cpu)
+        claim("no param partition is on disk after the build (offload_param.max_in_cpu at its default): the "  # fact: deepspeed.nvme_params_read_back_max_in_cpu
+              "partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
+                                                   and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
+
+# %% [markdown]
+# The disk bytes are the swap files themselves, each rank's own (`helpers.job.observe.offload`
+# reads `nvme_swap/zero_stage_3/*/rank{r}/*.swp`). <!-- fact: deepspeed.nvme_swap_file_paths --> Rank 0 has three: its fp32 master
+# partition, Adam's momentum and variance for it, each the size of the fp32 master the
+# no-offload run holds on rank 0, rounded up to DeepSpeed's I/O alignment (`AIO_ALIGNED_BYTES`): <!-- fact: deepspeed.aio_aligned_bytes -->
+
+# %%
+if NVME_OK:
+    nvme = RUNS["DeepSpeed NVMe"]
+    files = sorted((nvme.path / "nvme_swap" / "zero_stage_3").glob("*/rank0/*.swp"))
+    on_disk = sum(f.stat().st_size for f in files)
+    master = RUNS["DeepSpeed, no offload"].summary["memory_bytes"][0]["master_params"]
+    aligned = -(-master // AIO_ALIGNED_BYTES) * AIO_ALIGNED_BYTES
+    claim("rank 0 swaps three files, each the no-offload run's fp32 master bytes on rank 0 rounded up to the "
+          "I/O alignment", len(files) == 3 and all(f.stat().st_size == aligned for f in files),
+          file_bytes=[f.stat().st_size for f in files], master_bytes=master, aligned=aligned)
+    print(f"rank 0: {len(files)} swap files, {on_disk / 1e6:.1f} MB; largest: "
+          + ", ".join(f"{f.parent.parent.name}/{f.name} {f.stat().st_size / 1e6:.1f} MB"
+                      for f in sorted(files, key=lambda f: -f.stat().st_size)[:3]))
+else:
+    print(f"NVMe skipped: {NVME_STATE}")
+
+# %% [markdown]
+# ## 2 · Totals, peaks and NVMe's buffers
+#
+# The same bytes added up per location, next to the process's peak anonymous memory
+# (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On this machine
+# host and device are one memory, and each run's whole state is a small part of its peak (the check
+# below), so the peaks are shown without a claim (on a GPU, where the allocator's peak is exact,
+# the cell checks that FSDP offload lowers it). Bytes do show that the NVMe run cannot have saved
+# RAM here: when `offload_param` goes to `nvme`, DeepSpeed's parameter swapper allocates `buffer_count` x
+# `buffer_size` bf16 elements of page-locked host memory per rank as it starts (whether or not any
+# parameter is swapped), <!-- fact: deepspeed.nvme_param_swapper_locked_buffers --> plus its optimizer swapper's buffers; the job measures both
+# (`swap_buffer_bytes`), and the parameter swapper's alone are more than the bytes this run moved
+# to disk (the check below):
+
+# %%
+totals = tables.location_totals(RUNS)
+totals["peak MB (rank 0)"] = [r.summary["peak_memory_bytes"][0] / 1e6 for r in RUNS.values()]
+print(totals.round(1).to_string())
+peak = {label: r.summary["peak_memory_bytes"][0] for label, r in RUNS.items()}
+if GPUS:
+    claim("FSDP offload lowers the device peak", peak["FSDP offload"] < peak["FSDP, no offload"],
+          offload_MB=peak["FSDP offload"] / 1e6, none_MB=peak["FSDP, no offload"] / 1e6)
+else:
+    share = {label: totals.loc[label, "total"] * 1e6 / peak[label] for label in RUNS}
+    claim("every run's state is under 5% of its process's peak", max(share.values()) < 0.05,
+          state_over_peak={label: round(x, 4) for label, x in share.items()})
+if NVME_OK:
+    swap = NVME_JSON["zero_optimization"]["offload_param"]
+    asked = swap["buffer_count"] * swap["buffer_size"] * 2
+    buffers = RUNS["DeepSpeed NVMe"].summary["swap_buffer_bytes"]  # per rank: {params, optimizer}
+    on_disk = [sum(tables.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
+    claim("on every rank the NVMe run's parameter swapper holds page-locked buffers of at least buffer_count x "  # fact: deepspeed.nvme_param_swapper_locked_buffers
+          "buffer_size bf16 elements (their size read by the job), more bytes than the state the run moved to disk: "
+          "here NVMe cannot have saved RAM", all(asked <= b["params"] and d < b["params"] for b, d in zip(buffers, on_disk)),
+          param_buffers_MB=[b["params"] / 1e6 for b in buffers], asked_MB=asked / 1e6,
+          optimizer_buffers_MB=[b["optimizer"] / 1e6 for b in buffers], on_disk_MB=[d / 1e6 for d in on_disk],
+          peak_MB={"NVMe": peak["DeepSpeed NVMe"] / 1e6, "no offload": peak["DeepSpeed, no offload"] / 1e6})
+
+# %% [markdown]
+# ## 3 · What the copies cost
+#
+# Step time of each run against the same backend without offload: the median of the steps
+# after the warm-up steps the jobs' own medians leave out, and their quartiles. Each config
+# runs once, one after the other (on a machine other work may share), so a
+# ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
+# and claims no cost (notebook 07 interleaves repeated runs where it claims one).
+
+# %%
+TIMES = {label: timing(label, step_times(r), "no offload", step_times(BASE[label]))
+         for label, r in RUNS.items() if BASE[label] is not r}
+ratio = {label: t.ratio for label, t in TIMES.items()}
+ax = plots.plt.subplots()[1]
+ax.bar(list(ratio), list(ratio.values()), color=[plots.COLORS[RUNS[label].backend] for label in ratio])
+ax.axhline(1, color="black", lw=0.8)
+ax.set(ylabel="median step time / no offload", title="step time relative to the same backend without offload")
+ax.tick_params(axis="x", rotation=20)
+ax.figure.tight_layout()
+for t in TIMES.values():
+    print(f"{t.measured()}, one run each")
+claim("every ratio compares two runs of the same backend, model and steps, each with steps after the warm-up",
+      all(RUNS[label].backend == BASE[label].backend and RUNS[label].summary["steps"] == BASE[label].summary["steps"]
+          and RUNS[label].summary["model"] == BASE[label].summary["model"]
+          and min(len(step_times(RUNS[label])), len(step_times(BASE[label]))) >= 2 and 0 < x < float("inf")
+          for label, x in ratio.items()), ratio=ratio)
+
+# %% [markdown]
+# **What it means.** Without an accelerator, "copying to the host" is at most a copy within the
+# same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop --> and the optimizer runs on the same cores either way,
+# so there is no transfer to pay for. What differs is
+# the code each offload path runs (its own buffers and copies). The ratios come from one run each,
+# so they cannot tell the offload path from the machine's drift, and we have not broken the steps
+# down. NVMe adds reads and writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past
+# the page cache. <!-- fact: deepspeed.aio_o_direct --> On a GPU (not run here) the picture changes: every step, offloaded
+# parameters are copied across PCIe to the GPU to compute with (FSDP, which reshards after
+# forward, copies them again for backward), <!-- fact: torch.fsdp2_offload_copies_to_gpu --> gradients go down to the host, the optimizer
+# step runs on the host's cores instead of the GPU <!-- fact: deepspeed.offload_optimizer_steps_on_host -->, and (DeepSpeed with
+# `offload_optimizer` alone) the updated bf16 weights come back up; the optimizer's states and fp32
+# master stay on the host: that is what offloading them saves (not checked here). That time is the
+# price of the accelerator memory offload frees; measure it there with the same cells, repeated
+# and interleaved.
+#
+# ## Recap
+#
+# * NVMe swaps only tensors of at least 1 MiB per rank (or `aio.block_size`), and with `max_in_cpu`
+#   at its default brings parameter partitions back to host memory. <!-- fact: deepspeed.nvme_min_aio_bytes --> <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu -->
+# * In the tiny model's NVMe run the fp32 master and Adam's states are swap files (rank 0's three,
+#   each its fp32 partition rounded up to the I/O alignment); the parameter partitions and the fp32
+#   gradient copy stay in host memory. <!-- fact: deepspeed.nvme_swaps_states_not_step --> <!-- fact: deepspeed.nvme_small_grads_wait_in_host -->
+# * At this size NVMe cannot have saved RAM: its parameter swapper's page-locked buffers alone
+#   hold more than it moved to disk. <!-- fact: deepspeed.nvme_param_swapper_locked_buffers --> On this CPU each run's state is a small part
+#   of its process's peak.
+# * Single runs print step-time ratios but claim no cost.
+#
+# Back to the path: `04_prefetch`.

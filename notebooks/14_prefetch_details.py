@@ -1,0 +1,279 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 14 · Deep dive: FSDP units, compute during collectives, and compile
+#
+# **The question.** Notebook 04 showed when each backend's gathers move with prefetch on and off.
+# Here: which modules become FSDP units, and what does each choice do to the gathers (DeepSpeed
+# asks for no units)? How much of the time a rank both computes and communicates on gloo is only
+# waiting in a collective? And what does `--compile` do under each backend? (A deep dive from notebook 04; the
+# core path goes on with 05.)
+#
+# **What we run.** Notebook 04's four prefetch settings again and three other FSDP unit choices,
+# each a short job with `--profile` (a `torch.profiler` trace of two steps per rank, read by
+# `helpers.nb.traces`), into `notebooks/runs/14_*`; at full size also a compiled pair.
+#
+# | setting | config in `launch_configs/` |
+# |---|---|
+# | FSDP, transformer blocks, without and with prefetch | `fsdp/full_shard_no_prefetch.yaml`, `fsdp/full_shard_prefetch.yaml` |
+# | ZeRO-3, without and with prefetch | `deepspeed/zero3_no_prefetch.yaml`, `deepspeed/zero3_prefetch.yaml` |
+# | FSDP units: size-based, none, no reshard | `fsdp/full_shard_size_wrap.yaml`, `fsdp/full_shard_no_wrap.yaml`, `fsdp/shard_grad_op.yaml` |
+# | compiled FSDP and ZeRO-3 (full size only) | `fsdp/full_shard.yaml`, `deepspeed/zero3.yaml` |
+
+# %%
+import os
+import re
+from pathlib import Path
+
+from helpers import facts, nb
+from helpers.core.config import load_job_config
+from helpers.core.models import resolve_model
+from helpers.job import wrap
+from helpers.nb import plots, results, traces
+from helpers.nb.claims import claim
+
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
+GPUS = nb.gpu_count()
+NPROC = GPUS if GPUS else 2
+MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
+BATCH = "--micro-batch 4 --seq-len 32" if SIZE == "quick" else "--micro-batch 8 --seq-len 64"
+ARGS = f"--model {MODEL} --steps 4 {BATCH} --profile"  # --profile records steps 2 and 3
+os.environ.update(NPROC=str(NPROC), ARGS=ARGS, SIZE=SIZE)
+print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, gloo'}); {ARGS}")
+
+# %% language="bash"
+# for cfg in fsdp/full_shard_no_prefetch fsdp/full_shard_prefetch deepspeed/zero3_no_prefetch deepspeed/zero3_prefetch; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$cfg.yaml \
+#         --out notebooks/runs/14_$(basename $cfg) $ARGS | tail -n 1
+# done
+
+# %%
+PF = {"FSDP no prefetch": "14_full_shard_no_prefetch", "FSDP prefetch": "14_full_shard_prefetch",
+      "ZeRO-3 no prefetch": "14_zero3_no_prefetch", "ZeRO-3 prefetch": "14_zero3_prefetch"}
+pf = {k: results.load_run(f"notebooks/runs/{v}") for k, v in PF.items()}
+
+# %% [markdown]
+# ## 1 · The unit choice: what FSDP asks you and DeepSpeed does not
+#
+# `fsdp_auto_wrap_policy` decides which modules become units, as `accelerate launch` decides with
+# `fsdp_version: 2` (`helpers.job.wrap` calls Accelerate's own policy function):
+# `TRANSFORMER_BASED_WRAP` one per decoder block (the class comes from the model's
+# `_no_split_modules` unless `fsdp_transformer_layer_cls_to_wrap` names it), <!-- fact: accelerate.fsdp2_transformer_policy_units -->
+# `SIZE_BASED_WRAP` every module holding *more than* `fsdp_min_num_params` parameters in total,
+# children included (so a block and `model.model` become units too, around the smaller units
+# inside them), <!-- fact: accelerate.fsdp2_size_policy_counts_children --> `NO_WRAP` no policy units.
+# Whatever the policy, Accelerate then gives the input embedding a unit (with tied embeddings it
+# joins the tail) and the final norm + head one more, which stays gathered from forward to
+# backward, unless the policy has already made them units (`SIZE_BASED_WRAP` here makes
+# `lm_head` a unit that reshards like any other); the root takes what is left. <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
+# `fsdp_reshard_after_forward: false` (`shard_grad_op.yaml`) keeps gathered blocks from forward
+# to backward. <!-- fact: torch.fsdp2_reshard_after_forward --> DeepSpeed asks for no units: it gathers
+# each module's parameters as it runs (`set_z3_leaf_modules` can merge a subtree); thresholds
+# decide the rest. <!-- fact: deepspeed.zero3_leaf_modules -->
+#
+# The "transformer blocks" row is notebook 04's prefetch setting (`full_shard_prefetch.yaml`); the
+# other three configs do not set forward prefetch, so their step times and peaks are not a
+# like-for-like comparison with it (FSDP's counts are: prefetch changes none of them, notebook 04 checks it).
+#
+# Where the guide differs from `accelerate launch`, on purpose, the job log says so in a `note:`
+# line: with `SIZE_BASED_WRAP` the policy also picks `model.layers` (a `ModuleList`), which
+# torch's `fully_shard` refuses (there `accelerate launch` stops with an error), <!-- fact: torch.fsdp2_refuses_modulelist -->
+# and the final norm sits inside the `model.model` unit, where a unit of its own fails at
+# forward; <!-- fact: torch.fsdp2_unit_inside_unit_fails --> the guide
+# leaves both to the unit around them.
+
+# %% language="bash"
+# for cfg in full_shard_size_wrap full_shard_no_wrap shard_grad_op; do
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/fsdp/$cfg.yaml \
+#         --out notebooks/runs/14_$cfg $ARGS | tail -n 1
+# done
+
+# %%
+WRAP = {"transformer blocks": ("fsdp/full_shard_prefetch", "14_full_shard_prefetch"),
+        "size-based": ("fsdp/full_shard_size_wrap", "14_full_shard_size_wrap"),
+        "no wrap": ("fsdp/full_shard_no_wrap", "14_full_shard_no_wrap"),
+        "blocks, no reshard": ("fsdp/shard_grad_op", "14_shard_grad_op")}
+wr = {k: results.load_run(f"notebooks/runs/{d}") for k, (_, d) in WRAP.items()}
+units = {k: wrap.check_wrap_policy(load_job_config(f"launch_configs/{c}.yaml"), resolve_model(MODEL))
+         for k, (c, _) in WRAP.items()}
+utab = traces.collective_table([*wr.values(), pf["ZeRO-3 prefetch"], pf["ZeRO-3 no prefetch"]],
+                               labels=[*wr, "ZeRO-3 prefetch", "ZeRO-3 no prefetch"])
+utab.insert(1, "units", [len(u) for u in units.values()] + [None, None])
+utab.insert(2, "expected_all_gathers", [wrap.expected_collectives(
+    u, wr[k].config["fsdp"]["reshard_after_forward"])["all_gathers"] for k, u in units.items()] + [None, None])
+utab.insert(3, "expected_reduce_scatters", [wrap.expected_collectives(u, True)["reduce_scatters"]
+                                           for u in units.values()] + [None, None])
+utab = utab.astype({c: "Int64" for c in ("units", "expected_all_gathers", "expected_reduce_scatters")})  # counts
+utab["MB_per_all_gather"] = utab.all_gather_MB / utab.all_gathers
+print("\n".join(ln for ln in (wr["size-based"].path / "log.txt").read_text().splitlines()
+                if ln.startswith("note: fsdp_auto_wrap_policy")))  # where the guide differs, the job said so
+utab.round(3)
+
+# %%
+fig, (left, right) = plots.plt.subplots(1, 2)
+plots.collective_bars(utab, ax=left)
+plots.backend_bars(right, list(utab.index), list(utab.peak_allocated_MB), ["fsdp"] * len(wr) + ["deepspeed"] * 2,
+                   zero=False)
+right.tick_params(axis="x", rotation=20, labelsize=8)
+right.set(ylabel="MB", title="peak allocated, rank 0 (profiled steps)")
+fig.tight_layout()
+
+# %% [markdown]
+# **Reading it.** Smaller units mean more, smaller all-gathers; without policy units the root
+# gathers every decoder block at once (`largest_all_gather_MB`) and, during forward and
+# backward, every rank holds all of them. <!-- fact: torch.fsdp2_root_takes_the_rest --> Not resharding
+# after forward saves the backward gathers and keeps the blocks gathered in between. <!-- fact: torch.fsdp2_reshard_after_forward --> We claim nothing from the allocator's peak between unit choices (one job each, and
+# identical jobs' peaks differ). The counts and sizes are exactly what the units predict:
+
+# %%
+rows = utab.loc[list(wr)]
+want_mb = {k: wrap.expected_collectives(u, wr[k].config["fsdp"]["reshard_after_forward"])["all_gather_bytes"] / 1e6
+           for k, u in units.items()}
+claim("every unit choice's collectives are exactly what its units predict, in count and in bytes gathered",
+      (rows.all_gathers == rows.expected_all_gathers).all()
+      and (rows.reduce_scatters == rows.expected_reduce_scatters).all()
+      and all(abs(rows.all_gather_MB[k] - want_mb[k]) < 1e-3 for k in rows.index),
+      all_gathers=rows.all_gathers.astype(int).to_dict(), expected=rows.expected_all_gathers.astype(int).to_dict(),
+      all_gather_MB=rows.all_gather_MB.round(3).to_dict(), expected_MB={k: round(v, 3) for k, v in want_mb.items()})
+claim("smaller units mean more, smaller all-gathers (size-based against transformer blocks)",
+      utab.loc["size-based", "units"] > utab.loc["transformer blocks", "units"]
+      and utab.loc["size-based", "MB_per_all_gather"] < utab.loc["transformer blocks", "MB_per_all_gather"],
+      units=utab.units[:2].to_dict(), MB_per_gather=utab.MB_per_all_gather[:2].round(4).to_dict())
+blocks_mb = units["no wrap"][-1].num_params * 2 / 1e6  # the root: all decoder blocks
+model_mb = sum(u.num_params for u in units["transformer blocks"]) * 2 / 1e6  # the whole model in bf16
+claim("without policy units there are 3 units (embedding, norm + head, the root) and the root gathers every "
+      "decoder block at once", utab.loc["no wrap", "units"] == 3
+      and abs(utab.loc["no wrap", "largest_all_gather_MB"] - blocks_mb) < 1e-3 and blocks_mb > 0.5 * model_mb,
+      largest_gather_MB=utab.loc["no wrap", "largest_all_gather_MB"], blocks_MB=blocks_mb)
+claim("not resharding after forward saves the backward gathers",
+      utab.loc["blocks, no reshard", "all_gathers"] < utab.loc["transformer blocks", "all_gathers"],
+      no_reshard=int(utab.loc["blocks, no reshard", "all_gathers"]),
+      reshard=int(utab.loc["transformer blocks", "all_gathers"]))
+log = (wr["size-based"].path / "log.txt").read_text()
+claim("the size-based job's log says where the guide differs from accelerate launch",
+      "model.layers (ModuleList) passes Accelerate's policy" in log and "model.norm is inside a unit" in log)
+
+# %% [markdown]
+# ## 2 · Computing and communicating at the same time
+#
+# The time a rank was both computing and communicating (`traces.overlap_ms`), and the compute
+# operator it fell in (`traces.overlap_by_op`). On gloo, do not read it as overlap: FSDP2
+# reduces gradients from the backward of an autograd node, `RegisterPostBackwardFunction`, <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->
+# and ZeRO-3 gathers for backward from another, `PreBackwardFunctionForModule`; <!-- fact: deepspeed.zero3_backward_gather_in_autograd_node -->
+# the compute lane counts such a node for as long as the training thread waits in it, and
+# the cell shows how much of "both at once" is that waiting.
+# (ZeRO-3's gathers are asynchronous, FSDP2's synchronous.) <!-- fact: deepspeed.zero3_async_all_gather -->
+# On a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
+
+# %%
+facts.show("torch.fsdp2_post_backward_in_autograd_node", "deepspeed.zero3_backward_gather_in_autograd_node")
+HOOKS = ("RegisterPostBackwardFunctionBackward", "PreBackwardFunctionForModuleBackward")  # the two nodes' names
+hook_share = {}
+for name, r in pf.items():
+    busy, by_op = traces.busy_ms(r), traces.overlap_by_op(r)
+    hooks = by_op[[any(h in op for h in HOOKS) for op in by_op.index]].sum()
+    if by_op.sum() > 1:
+        hook_share[name] = round(hooks / by_op.sum(), 2)
+    print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
+          f"{by_op.sum():7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it in the backward nodes "
+          f"above {hooks:6.1f} ms")
+claim("wherever a rank both computed and communicated for over 1 ms, a good part of that time (over a quarter) "
+      "fell inside an autograd node that waits on the collective", all(v > 0.25 for v in hook_share.values()),
+      share_in_those_nodes=hook_share)
+
+# %% [markdown]
+# ## 3 · `--compile`
+#
+# `helpers.train --compile` compiles each decoder block in place *before* `fully_shard` (FSDP2);
+# FSDP's hooks (gather before, reshard after) then run inside the compiled call, but torch marks
+# them dynamo-disabled, so they stay out of the graph. <!-- fact: torch.fsdp2_hooks_not_compiled --> On
+# DeepSpeed it calls the engine's `compile()`, which compiles the wrapped module. <!-- fact: deepspeed.engine_compile_module -->
+# ZeRO-3 keeps two per-module hooks out of dynamo (the pre-forward gather and the post-backward
+# release); its other hooks, the backward gather's setup among them, are traced: <!-- fact: deepspeed.zero3_hooks_and_dynamo -->
+# they change from call to call, so dynamo recompiles until its recompile limit (the fact
+# printed below) and then leaves them eager, <!-- fact: torch.dynamo_recompile_limit --> with a warning the cells count.
+#
+# Why FSDP1 needed `fsdp_use_orig_params: true` for this: FSDP1 flattened a unit's parameters
+# into one `FlatParameter`; `use_orig_params=True` kept the original `nn.Parameter`s visible,
+# and torch requires it to use `torch.compile` with FSDP1. <!-- fact: torch.fsdp1_use_orig_params_for_compile -->
+# FSDP2 never flattens: every parameter stays itself (a `DTensor` shard), so there is nothing to
+# ask for, <!-- fact: torch.fsdp2_params_stay_dtensors --> and Accelerate ignores the key under
+# `fsdp_version: 2`. <!-- fact: accelerate.fsdp2_ignores_use_orig_params -->
+#
+# Compiling costs a long first step (dynamo traces and inductor generates code for every graph: <!-- fact: torch.compile_on_first_call -->
+# the first step's time is printed below), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
+# committed notebook shows the full run, on the tiny model). On this CPU we check that
+# compiled training trains, that the two backends stay close, that the first step carries the
+# compile time, and which functions dynamo gave up on.
+
+# %% language="bash"
+# if [ "$SIZE" = full ]; then
+#   for cfg in fsdp/full_shard deepspeed/zero3; do
+#     out=notebooks/runs/14_compile_$(basename $cfg)
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$cfg.yaml \
+#         --out $out --model tiny --steps 6 --compile 2> $out.stderr | tail -n 1
+#     grep '^error' $out.stderr  # a failed job says why here
+#     echo "  dynamo recompile-limit warnings (all ranks): $(grep -c 'recompile_limit' $out.stderr)"
+#   done
+# else
+#   echo "GUIDE_SIZE=quick: compile section skipped (minutes of inductor builds on a CPU)"
+# fi
+
+# %%
+if SIZE == "full":
+    comp = {k: results.load_run(f"notebooks/runs/14_compile_{k}") for k in ("full_shard", "zero3")}
+    for k, r in comp.items():
+        t = r.metrics.step_time_s
+        print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s; "
+              f"final loss {r.summary['final_loss']:.4f}")
+    f, d = (comp[k].summary["losses"] for k in ("full_shard", "zero3"))
+    claim("compiled FSDP and DeepSpeed train alike (within 0.02 per step; uncompiled they are bit-identical, "
+          "notebook 02; compiled, each side runs its own graphs: per block vs the whole engine)",
+          all(abs(a - b) < 2e-2 for a, b in zip(f, d)), max_gap=max(abs(a - b) for a, b in zip(f, d)))
+    claim("the compiled runs learn", f[-1] < f[0] - 0.5, first=f[0], last=f[-1])
+    claim("the first step carries the compile time (over 3x the median of the rest)",
+          all(r.metrics.step_time_s.iloc[0] > 3 * r.metrics.step_time_s.iloc[1:].median() for r in comp.values()),
+          first_over_median={k: round(r.metrics.step_time_s.iloc[0] / r.metrics.step_time_s.iloc[1:].median(), 1)
+                             for k, r in comp.items()})
+    facts.show("torch.dynamo_recompile_limit")
+    # each warning names the function dynamo gave up on on its next line: "function: 'NAME' (FILE:LINE)"
+    gave_up = {k: re.findall(r"recompile_limit.*\n.*function: '(\w+)' \(([^:]+)",
+                             Path(f"notebooks/runs/14_compile_{k}.stderr").read_text()) for k in comp}
+    print({k: sorted({f"{name} ({Path(f).parent.name}/{Path(f).name})" for name, f in v}) for k, v in gave_up.items()})
+    claim("ZeRO-3's per-module hooks (DeepSpeed's zero/ code) hit dynamo's recompile limit, and nothing else did; "
+          "FSDP's run never hit it", gave_up["zero3"] and all("deepspeed/runtime/zero/" in f for _, f in gave_up["zero3"])
+          and not gave_up["full_shard"], warnings={k: len(v) for k, v in gave_up.items()})
+else:
+    print("skipped at GUIDE_SIZE=quick")
+
+# %% [markdown]
+# ## Recap: measured on this machine
+
+# %%
+print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
+print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers, peak "
+                            f"{utab.loc[k, 'peak_allocated_MB']:.1f} MB" for k in wr))
+
+# %% [markdown]
+# * Each FSDP unit choice's collectives are exactly what its units predict: smaller units mean
+#   more, smaller gathers; without policy units the root gathers every block at once; not
+#   resharding after forward saves the backward gathers.
+# * On gloo, wherever a rank both computed and communicated for over 1 ms, over a quarter of that
+#   time (on rank 0) was inside an autograd node that waits on the collective: not overlap.
+# * Compiled, both backends train and stay close; the first step carries the compile time, and
+#   only ZeRO-3's hooks hit dynamo's recompile limit (full size only).
+#
+# Back to the path: `05_loading`.

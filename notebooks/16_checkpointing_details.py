@@ -1,0 +1,206 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 16 · Deep dive: checkpoints in detail
+#
+# **The question.** Notebook 06 relayed one run between FSDP and DeepSpeed at a fixed number of
+# ranks. Here: what does a save leave behind when the job dies halfway through it? Can a 2-rank
+# checkpoint resume on 1 rank, and do DeepSpeed's universal checkpoint, the guide's conversion and
+# FSDP's DCP files agree there? Do `zero_to_fp32`, DeepSpeed's 16-bit file and a Hugging Face
+# export hold the same weights? (A deep dive from notebook 06; the core path goes on with 07.)
+#
+# **What we run.** On 2 CPU ranks (or one per GPU), the tiny model: an FSDP job of `3K`
+# steps that saves every `K` steps and is killed inside its last save; from its step-`K`
+# checkpoint, converted, a DeepSpeed ZeRO-3 job for steps `K..2K`, as in notebook 06's relay.
+# Then three 1-rank jobs resume from step `2K`, and three weights-only files are written and read.
+
+# %%
+import json
+import os
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from helpers import facts, nb
+from helpers.job import checkpoint
+from helpers.nb import results
+from helpers.nb.claims import claim
+
+SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
+MODEL, K = ("tiny", 2) if SIZE == "quick" else ("tiny", 4)
+GPUS = nb.gpu_count()
+NPROC = GPUS if GPUS else 2
+CK = Path("notebooks/runs/16_ckpt")  # checkpoints live outside the run directories
+os.environ.update(MODEL=MODEL, K=str(K), K2=str(2 * K), K3=str(3 * K), NPROC=str(NPROC), CK=str(CK))
+print(f"size={SIZE}: model {MODEL}, K={K} on {NPROC} ranks")
+
+# %% [markdown]
+# ## 1 · A save that dies halfway
+#
+# A save writes everything to `D/.step_K.tmp`, `meta.json` last, and only then renames the
+# directory to `D/step_K`. So a job killed halfway leaves a `.tmp` directory that the guide's
+# reader refuses, and the previous `step_*` complete. Below, the last rank kills
+# itself inside the save of step `3K` (the hook `tests/test_checkpoint.py` uses, `GUIDE_FAIL_*`;
+# never set in real runs). The DeepSpeed job then resumes from the FSDP job's step `K`.
+
+# %% language="bash"
+# rm -rf $CK
+# GUIDE_FAIL_RANK=$((NPROC - 1)) GUIDE_FAIL_STEP=$K3 GUIDE_FAIL_PHASE=save GUIDE_FAIL_MODE=kill \
+#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
+#     --config launch_configs/fsdp/full_shard.yaml --out notebooks/runs/16_fsdp \
+#     --model $MODEL --steps $K3 --checkpoint-dir $CK/fsdp --checkpoint-every $K 2>&1 | grep -E "^(saved|error)"
+# echo "FSDP job: exit code ${PIPESTATUS[0]}"
+# set -o pipefail
+# python -m helpers.convert $CK/fsdp/step_$K $CK/to_ds/step_$K --to deepspeed
+# torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
+#     --config launch_configs/deepspeed/zero3_16bit.yaml --out notebooks/runs/16_ds \
+#     --model $MODEL --steps $K2 --resume $CK/to_ds/step_$K --checkpoint-dir $CK/ds --checkpoint-every $K | tail -n 1
+
+# %%
+fsdp_dir = CK / "fsdp"
+contents = sorted(p.name for p in fsdp_dir.iterdir())
+try:
+    checkpoint.read_meta(fsdp_dir / f".step_{3 * K}.tmp")
+    refused = None
+except checkpoint.CheckpointError as e:
+    refused = str(e)
+failed = json.loads(Path("notebooks/runs/16_fsdp/summary.json").read_text())
+print("in", fsdp_dir, ":", contents)
+claim(f"the job failed on the killed rank, whose save left only .step_{3 * K}.tmp, which the guide refuses as a "
+      f"partial checkpoint; the saves of steps {K} and {2 * K} stayed complete",
+      failed["status"] == "failed" and failed["failed_rank"] == NPROC - 1
+      and set(contents) == {f".step_{3 * K}.tmp", f"step_{K}", f"step_{2 * K}"}
+      and refused is not None and "partial checkpoint" in refused
+      and [checkpoint.read_meta(fsdp_dir / f"step_{s}")["step"] for s in (K, 2 * K)] == [K, 2 * K],
+      reason=failed["reason"], refused=refused)
+
+# %%
+fsdp_losses = [json.loads(x)["loss"] for x in Path("notebooks/runs/16_fsdp/metrics.jsonl").read_text().splitlines()]
+ds = results.load_run("notebooks/runs/16_ds")
+gap = max(abs(a - b) for a, b in zip(ds.summary["losses"], fsdp_losses[K:2 * K], strict=True))
+if nb.bitwise_parity_expected(NPROC):
+    claim(f"the DeepSpeed job, resumed from FSDP's step {K}, has FSDP's losses at steps {K}..{2 * K - 1}, bit for bit",
+          ds.summary["losses"] == fsdp_losses[K:2 * K], losses=ds.summary["losses"])
+else:
+    claim(f"the DeepSpeed job, resumed from FSDP's step {K}, is within 1e-2 of FSDP's losses (nccl)", gap < 1e-2,
+          max_difference=gap)
+
+# %% [markdown]
+# ## 2 · Another world size
+#
+# DeepSpeed's ZeRO files resume only at the world size that wrote them. <!-- fact: deepspeed.zero_checkpoint_fixed_world_size -->
+# Its own answer is the **universal checkpoint**: `helpers.convert --to universal` runs
+# DeepSpeed's `ds_to_universal`, and `deepspeed/zero3_universal.yaml` sets
+# `"checkpoint": {"load_universal": true}`, so DeepSpeed's loader reads it. <!-- fact: deepspeed.universal_checkpoint_tools -->
+# The guide's `--to deepspeed` is not tied to the world size either (here 2 ranks to 1). FSDP's DCP files reshard as they
+# load. <!-- fact: torch.dcp_file_per_rank --> Below, DeepSpeed's step-`2K` checkpoint resumes on
+# **1 rank** both ways, and FSDP resumes its own step-`2K` DCP files (on this CPU the same
+# state: the DeepSpeed job matched FSDP's losses bit for bit above).
+#
+# How the guide's import gets Adam's state into each ZeRO stage: the resuming job puts the
+# weights into the module before `deepspeed.initialize`, then sets the fp32 master and Adam's
+# state through DeepSpeed's `safe_set_full_*` calls. <!-- fact: deepspeed.safe_set_full_state -->
+# Torch Adam creates its state lazily, at the first step, <!-- fact: torch.adam_state_lazy --> and
+# ZeRO-1/2 link each parameter to its slice of it only then, <!-- fact: deepspeed.zero12_link_state_after_step -->
+# so the job creates and links that state first; ZeRO-0, with no partitions, copies into its
+# fp32 masters directly. `tests/test_checkpoint.py` and `tests/test_resume_anywhere.py` resume
+# converted checkpoints under ZeRO-0, 1, 2 and 3.
+
+# %% language="bash"
+# set -o pipefail
+# python -m helpers.convert $CK/ds/step_$K2 $CK/univ/step_$K2 --to universal
+# python -m helpers.convert $CK/ds/step_$K2 $CK/to_ds1/step_$K2 --to deepspeed
+# run1() { torchrun --standalone --nproc_per_node 1 -m helpers.train --model $MODEL --steps $K3 "$@" | tail -n 1; }
+# run1 --config launch_configs/deepspeed/zero3_universal.yaml --out notebooks/runs/16_univ_1 --resume $CK/univ/step_$K2
+# run1 --config launch_configs/deepspeed/zero3.yaml --out notebooks/runs/16_conv_1 --resume $CK/to_ds1/step_$K2
+# run1 --config launch_configs/fsdp/full_shard.yaml --out notebooks/runs/16_dcp_1 --resume $CK/fsdp/step_$K2
+
+# %%
+facts.show("deepspeed.zero_checkpoint_fixed_world_size", "deepspeed.universal_checkpoint_tools")
+one = {name: results.load_run(f"notebooks/runs/16_{name}_1") for name in ("univ", "conv", "dcp")}
+print({k: (r.summary["resumed_from"]["format"], r.summary["world_size"]) for k, r in one.items()})
+routes = ([r.summary["resumed_from"]["format"] for r in one.values()] == ["universal", "full", "sharded"]
+          and all(r.summary["world_size"] == 1 for r in one.values()))
+spread = max(max(s) - min(s) for s in zip(*(r.summary["losses"] for r in one.values()), strict=True))
+if nb.bitwise_parity_expected(NPROC):
+    claim(f"on 1 rank, DeepSpeed's universal route, the guide's conversion and FSDP's own DCP files give the same "
+          f"losses over steps {2 * K}..{3 * K - 1}, bit for bit",
+          routes and one["univ"].summary["losses"] == one["conv"].summary["losses"] == one["dcp"].summary["losses"],
+          losses=one["univ"].summary["losses"])
+else:
+    claim(f"on 1 rank, the three routes' losses over steps {2 * K}..{3 * K - 1} are within 1e-2 of each other (GPU)",
+          routes and spread < 1e-2, max_difference=spread)
+
+# %% [markdown]
+# (On 1 rank the global batch is smaller than on 2, so these steps continue differently from
+# the 2-rank job; what counts is that the three routes agree.)
+#
+# ## 3 · Weights for inference
+#
+# Three files hold weights only. A ZeRO-3 checkpoint carries `zero_to_fp32.py`, which writes
+# the fp32 weights; <!-- fact: deepspeed.zero3_checkpoint_files --> `zero3_save_16bit_model: true`
+# adds the weights in bf16; <!-- fact: deepspeed.save_16bit_model_weights_only --> and
+# `helpers.convert --to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`. <!-- fact: transformers.save_pretrained_files -->
+# All three come from DeepSpeed's step-`2K` checkpoint, next to the guide's own reading of it.
+# Which tool to use when: [docs/checkpoints.md](../docs/checkpoints.md).
+
+# %% language="bash"
+# set -o pipefail
+# python $CK/ds/step_$K2/ds/zero_to_fp32.py $CK/ds/step_$K2/ds $CK/zero_to_fp32 --tag ds --safe_serialization \
+#     > /dev/null 2>&1 && ls $CK/zero_to_fp32
+# python -m helpers.convert $CK/ds/step_$K2 $CK/hf --to hf
+
+# %%
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from helpers import set_ds_accelerator  # noqa: E402
+
+set_ds_accelerator()  # before DeepSpeed is imported (by the converter): CPU here, else CUDA
+from helpers.convert import read_consolidated  # noqa: E402
+from helpers.core import safeload  # noqa: E402
+
+facts.show("deepspeed.zero3_checkpoint_files", "deepspeed.save_16bit_model_weights_only")
+ds_ck = CK / "ds" / f"step_{2 * K}"
+ours = read_consolidated(ds_ck, checkpoint.read_meta(ds_ck))["model"]
+z2f = load_file(str(CK / "zero_to_fp32" / "model.safetensors"))
+b16 = safeload.load(ds_ck / "model_16bit.bin", "deepspeed")
+claim("weights for inference agree: zero_to_fp32's fp32 weights equal the guide's reading of the same checkpoint, "
+      "and the 16-bit file holds them rounded to bf16",
+      all(torch.equal(z2f[k], t) and torch.equal(b16[k], t.bfloat16()) for k, t in ours.items()),
+      tensors=len(ours))
+hf = AutoModelForCausalLM.from_pretrained(CK / "hf", dtype=torch.float32)
+claim(f"transformers loads the export as {type(hf).__name__}, every tensor equal to the guide's reading",
+      all(torch.equal(p, ours[name]) for name, p in hf.named_parameters()),
+      params_M=sum(p.numel() for p in hf.parameters()) / 1e6)
+export = load_file(CK / "hf" / "model.safetensors")
+per_param = (CK / "hf" / "model.safetensors").stat().st_size / ds.summary["num_params"]
+claim("the safetensors export holds fp32 weights only: 4 bytes per parameter",
+      {str(t.dtype) for t in export.values()} == {"torch.float32"} and abs(per_param - 4) / 4 < 0.05,
+      bytes_per_param=round(per_param, 2))
+
+# %% [markdown]
+# ## Recap
+#
+# * A save killed halfway left a `.tmp` directory that the guide refuses, and the checkpoints
+#   before it complete.
+# * On 1 rank, a 2-rank checkpoint resumed through DeepSpeed's universal checkpoint, through the
+#   guide's conversion and, for FSDP, from its own DCP files, with the same losses (on this CPU,
+#   bit for bit).
+# * `zero_to_fp32`, the guide's reading and the Hugging Face export hold the same fp32 weights;
+#   the 16-bit file holds them rounded to bf16.
+#
+# Back to the path: `07_throughput`.

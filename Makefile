@@ -42,7 +42,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m helpers.warmup
 	touch $(STAMP)
 
-# NVMe offload (notebook 03) needs libaio's header for DeepSpeed's async_io op. Installed here when
+# NVMe offload (notebook 13) needs libaio's header for DeepSpeed's async_io op. Installed here when
 # we can (root with apt-get, as in CI); otherwise a note, and the NVMe parts are skipped, saying why.
 libaio:
 	@test -e /usr/include/libaio.h || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \

@@ -169,7 +169,7 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
 #   partitions at the accumulation boundary; ZeRO-2 reduces bucket by bucket as backward runs. <!-- fact: deepspeed.zero1_reduces_at_boundary -->
 # * **SHARD_GRAD_OP vs FULL_SHARD.** SHARD_GRAD_OP keeps each unit's gathered weights from forward
 #   to backward; FULL_SHARD frees and gathers them again. <!-- fact: torch.fsdp2_reshard_after_forward -->
-#   Notebook 08 shows what that costs in batch size. At rest SHARD_GRAD_OP keeps its weights
+#   Notebook 08 shows the cost in batch size. At rest SHARD_GRAD_OP keeps its weights
 #   sharded, where ZeRO-2 keeps them whole: <!-- fact: deepspeed.zero2_whole_params --> the "~" in
 #   SHARD_GRAD_OP ~ ZeRO-2 is the gradients and optimizer states they both shard.
 #
@@ -237,8 +237,8 @@ recap
 #   ranks; alike in spirit, not in bytes: the table);
 #   <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard -->
 #   ZeRO-1 has no FSDP twin. "=" is about what is sharded, not the arithmetic.
-# * Every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients: more than a slice,
-#   by at most two of the largest parameter's bf16 gradients (parameters straddling an edge).
+# * Every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients: a slice plus at
+#   most two of the largest bf16 gradients (straddling an edge).
 # * FULL_SHARD (aligned) and ZeRO-3 hold the same total, split differently: fp32 shards and
 #   gradients vs bf16 shards and gradients + fp32 master.
 # * More in the deep dive `11_sharding_details`: 1, 2 and 4 ranks, the ZeRO-1/2 overhang counted,

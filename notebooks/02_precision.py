@@ -305,7 +305,7 @@ print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.
 
 # %% [markdown]
 # * At a small rate, bf16-only FSDP trains far more slowly than aligned FSDP and DeepSpeed (our
-#   reading of why: bf16 rounds away an update under half its rounding step).
+#   reading: bf16 rounds away updates under half its rounding step).
 # * Larger rates move the slow run (the drops above), but are other training runs. Mixed precision
 #   (`mixed_precision: bf16`, fp32 shards) removes the stall for twice the model-state bytes.
 # * The live dtypes confirm the write-up's table for the optimizer, differ on DeepSpeed's stored

@@ -176,7 +176,7 @@ print(TABLE.round(1).to_string())
 
 # %% [markdown]
 # `largest (runs)`: the largest batch that fit below the smallest that did not. The measured
-# peak moves a little between identical jobs (the deep dive prints by how much), so read it as
+# peak moves between identical jobs (the deep dive prints by how much), so read it as
 # this run's answer, not a constant.
 
 # %%
@@ -222,8 +222,8 @@ _ = ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUD
 #
 # Both shard 16 bytes per parameter. <!-- fact: deepspeed.zero3_16_bytes_per_param --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
 # ZeRO-3 also keeps the small parameters whole on every rank (notebook 02): on this tiny model,
-# most layer weights. The state each job measured at rest, next to the estimator's categories
-# at the same micro-batch (FSDP's `params` are fp32; DeepSpeed's are bf16, next to the fp32
+# every decoder weight. The state each job measured (after backward, before the optimizer
+# step), next to the estimator's categories at the same micro-batch (FSDP's `params` are fp32; DeepSpeed's are bf16, next to the fp32
 # `master_params`): <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 
 # %%
@@ -231,13 +231,13 @@ b = max(LARGEST[DS], 1)
 cats = {m: estimate(METHODS[m], micro_batch=b)["categories_per_rank"][0] for m in (FS, DS)}
 keys = ["params", "master_params", "grads", "optimizer_states", "comm_buckets", "gathered_unit", "gathered_at_backward",
         "reduce_scatter_copies", "optimizer_step", "activations"]
-measured = {m: RESULT[m][max(LARGEST[m], 1)]["memory_bytes"][0] for m in (FS, DS)}  # rank 0, at rest
+measured = {m: RESULT[m][max(LARGEST[m], 1)]["memory_bytes"][0] for m in (FS, DS)}  # rank 0, before the step
 print(f"MiB per rank (rank 0); estimated at micro-batch {b}")
 print(pd.DataFrame({f"{m}, {kind}": {k: src.get(k, 0) / 2**20 for k in keys}
                     for m in (FS, DS) for kind, src in (("measured", measured[m]), ("estimated", cats[m]))
                     }).round(2).to_string())
 rest = {m: sum(measured[m].values()) for m in (FS, DS)}
-claim("measured at rest, ZeRO-3 holds more state than FULL_SHARD (params, master, grads, optimizer states): "
+claim("measured, ZeRO-3 holds more state than FULL_SHARD (params, master, grads, optimizer states): "
       "the same shards plus the small parameters it keeps whole",  # fact: deepspeed.zero3_persistent_small_params
       rest[DS] > rest[FS] and measured[DS]["params"] > measured[FS]["params"] / 2,
       MiB={m: v / 2**20 for m, v in rest.items()})
@@ -310,7 +310,7 @@ claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1:
 #   micro-batches of the runs' answer on the FSDP rows, and at or above it on DeepSpeed's.
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD: it held
-#   more state at rest (its whole small parameters), and the estimator counts more beside it.
+#   more state (its whole small parameters), and the estimator counts more beside it.
 # * On one RAM, offload fit within one sequence of FULL_SHARD, and fewer than the estimator
 #   predicts for a GPU. DeepSpeed's default gradient bucket is larger than this budget: the
 #   shipped ZeRO-3 did not fit batch 1.

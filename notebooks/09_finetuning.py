@@ -115,7 +115,7 @@ ax.legend(loc="upper right", ncol=2);
 # %%
 facts.show("accelerate.fsdp2_upcasts_trainable_only")
 # for the adapter alone, gradient + Adam moments + master are at most 4 + 8 + 4 bytes per adapter element, over N
-# ranks, plus Adam's 4-byte step counters; any state for a frozen tensor (even a 512-element norm) would pass that
+# ranks, plus Adam's 4-byte step counters; state for frozen tensors shows only once it exceeds bound - measured
 n_tensors = 2 * sum(s["peft"]["adapted"].values())  # lora_A and lora_B per adapted module
 bound = 16 * trainable_numel / N + 4 * n_tensors
 claim("no job holds a gradient, an optimizer state or a master copy for a frozen parameter: on rank 0 the three "
@@ -293,4 +293,4 @@ if nb.bitwise_parity_expected(N):
 #   on your save code. Under FSDP2 the plain save (imitated here) fails.
 # - On this CPU, for 3 steps at 2 ranks, the aligned pair trained this LoRA bit for bit.
 #
-# That is the core path. The deep dives (`10`-`19`) go further into each core notebook.
+# That is the core path. The deep dives (`10`-`14`, `16`-`19`) go further into the core notebooks.

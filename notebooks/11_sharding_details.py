@@ -171,9 +171,9 @@ for ws in sorted(set(mem.world_size)):
 # Notebook 01's mapping (NO_SHARD = ZeRO-0) is about what is sharded, not about the arithmetic. `NO_SHARD` and ZeRO-0
 # shard the same thing (nothing) <!-- fact: deepspeed.zero0_replicates -->, but here they do not train bit-identically.
 # DeepSpeed runs ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`)
-# instead of its ZeRO code <!-- fact: deepspeed.zero0_bf16_optimizer -->, yet that is not the whole
-# story: the two already differ in step 0's gradient norm, in the fourth digit, before any update
-# (printed below with the losses). We have not traced which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
+# instead of its ZeRO code <!-- fact: deepspeed.zero0_bf16_optimizer -->. The two already report
+# different gradient norms at step 0, before any update (printed below with the losses; ZeRO-0's
+# norm is the wrapper's own). We have not traced which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
 # helpers.compare RUN_A RUN_B` names the first step (notebook 12 shows it). ZeRO-1 and ZeRO-2
 # (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->
 
@@ -192,8 +192,8 @@ claim("ZeRO-0 does not: its losses differ from NO_SHARD's", at2["zero0"]["losses
 # %% [markdown]
 # ## 4 · The whole process, not just the state
 #
-# `peak_memory_bytes` is the process's peak anonymous memory (`RssAnon`, sampled after
-# each forward, backward and step; on a GPU, `torch.cuda.max_memory_allocated`). On a
+# `peak_memory_bytes` is the process's peak anonymous memory (`RssAnon`, sampled at the end
+# of each forward and of each step; on a GPU, `torch.cuda.max_memory_allocated`). On a
 # CPU it includes what every torch process holds (the libraries it loads) <!-- fact: torch.import_rss -->, so the
 # state of a 21M-parameter model is only part of it (the share is printed below), which is
 # why the jobs count the state tensor by tensor (notebook 01).

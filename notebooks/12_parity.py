@@ -52,8 +52,9 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}, traces of {TRACE} steps, {NP
 #
 # The shipped pair (`launch_configs/fsdp/full_shard.yaml`, `launch_configs/deepspeed/zero3.yaml`)
 # trains bit for bit alike on this CPU (notebooks 00 and 02). It takes explicit choices. The first two **parity breakers** below
-# part the two runs when left at their defaults (both shown below), the third one family
-# (section 5); the others are conditions parity needs:
+# part the runs when left at their defaults (clipping on any model, ZeRO-3's linear on a model
+# with biased layers: both shown below), the third one family (section 5); the others are
+# conditions parity needs:
 #
 # * **Clipping.** DeepSpeed clips at 1.0 when `gradient_clipping` is absent; <!-- fact: deepspeed.gradient_clipping_default --> FSDP clips only
 #   when the script does. <!-- fact: accelerate.clipping_is_the_scripts --> `zero3.json` says `0.0` (shown next).

@@ -105,4 +105,4 @@ facts.show("deepspeed.zero3_module_io_autograd_functions")
 # - The layer pattern fits ZeRO-3's per-module autograd functions changing the order of a bf16 sum
 #   over the gradients of an input that several modules read.
 #
-# That ends the guide: the core path is `00`-`09`, the deep dives `10`-`19`.
+# That ends the guide: the core path is `00`-`09`, the deep dives `10`-`14` and `16`-`19`.

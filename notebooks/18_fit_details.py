@@ -318,7 +318,9 @@ claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks
 # spread-out measurement gives. That is too many jobs for this
 # notebook, so the next cell reads the stored measurements, prints where they were measured,
 # and scores them with the estimator as it is now (`helpers.estimate.against`, what
-# `python benchmarks/estimate_grid.py --recheck benchmarks/estimate_grid.json` prints).
+# `python benchmarks/estimate_grid.py --recheck benchmarks/estimate_grid.json` prints). Some of the
+# estimator's counts were set from these rows (its module doc says which), so this is a score on
+# the data it was fitted to, not a test on new jobs.
 
 # %%
 GRID = json.loads(Path("benchmarks/estimate_grid.json").read_text())

@@ -317,7 +317,7 @@ def errors(predicted: list[float], measured: list[float]) -> dict:
     """A prediction against a run, per rank: ``(predicted - measured) / measured`` on each rank, the rank
     where it errs most (``worst_rank``, ``error``) and the largest predicted peak against the largest
     measured one (``error_of_the_largest``: whether a job fits is decided on its largest rank). Used by
-    ``benchmarks/estimate_grid.py`` and notebooks 08 and 18."""
+    ``benchmarks/estimate_grid.py`` and notebook 18."""
     per_rank = [(p - m) / m for p, m in zip(predicted, measured, strict=True)]
     worst = max(range(len(per_rank)), key=lambda r: abs(per_rank[r]))
     return {"per_rank": per_rank, "worst_rank": worst, "error": per_rank[worst],

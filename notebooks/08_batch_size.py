@@ -36,7 +36,6 @@
 # %%
 import json
 import os
-import re
 from argparse import Namespace
 from pathlib import Path
 
@@ -45,7 +44,7 @@ import yaml
 
 from helpers import estimate as est
 from helpers import nb
-from helpers.nb import plots
+from helpers.nb import plots, walk
 from helpers.nb.claims import claim
 
 SIZE = nb.setup()  # the same jobs at both sizes: the walk is short on the tiny model
@@ -117,53 +116,24 @@ os.environ["ROWS"] = " ".join(f"{Path(c).stem}:{c}:{PREDICTED[m]}" for m, c in M
 
 # %% [markdown]
 # Now the runs. Each method starts at its predicted micro-batch (1 where none is predicted to
-# fit); a job over budget stops after step 1 with one `error:` line. The cell walks one
+# fit); a job over budget stops after step 1 with one `error:` line. The cell
+# (`helpers.nb.walk`: one `torchrun -m helpers.train ... --memory-budget-gib` job per batch) walks one
 # sequence at a time, up while the batch fits, down while it does not: two jobs when the
 # prediction is right.
 
 # %% language="bash"
-# run() {  # run NAME CONFIG BATCH: one job, its last line
-#     rm -rf notebooks/runs/08_$1
-#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config $2 --out notebooks/runs/08_$1 \
-#         $ARGS --micro-batch $3 --memory-budget-gib $BUDGET > /dev/null 2>&1
-#     echo "$1: $(grep -E '^(done|error):' notebooks/runs/08_$1/log.txt | tail -n 1)"
-# }
-# fits() { grep -q '^done:' notebooks/runs/08_$1/log.txt; }
-# for row in $ROWS; do
-#     IFS=: read -r key cfg b <<< "$row"
-#     rm -rf notebooks/runs/08_${key}_b[0-9]*  # this row's runs from an earlier execution
-#     b=$(( b > 0 ? b : 1 ))
-#     run ${key}_b$b $cfg $b
-#     if fits ${key}_b$b; then
-#         while fits ${key}_b$b; do b=$((b + 1)); run ${key}_b$b $cfg $b; done
-#     else
-#         while [ $b -gt 1 ] && ! fits ${key}_b$b; do b=$((b - 1)); run ${key}_b$b $cfg $b; done
-#     fi
-# done
+# python -m helpers.nb.walk --prefix 08 --nproc $NPROC --budget $BUDGET $ROWS -- $ARGS
 
 # %%
 def summary(name):
     return json.loads((RUNS / f"08_{name}" / "summary.json").read_text())
 
 
-RESULT = {}  # method: {micro-batch: summary}, from the run directories
-for m, c in METHODS.items():
-    key = Path(c).stem
-    RESULT[m] = {int(d.name.rsplit("_b", 1)[1]): summary(d.name[3:])
-                 for d in RUNS.glob(f"08_{key}_b*") if re.fullmatch(rf"08_{key}_b(\d+)", d.name)}
-crashed = {f"{m} b{b}": s["reason"] for m, runs in RESULT.items() for b, s in runs.items()
-           if s["status"] != "completed" and "--memory-budget-gib" not in (s.get("reason") or "")}
-claim("every run either completed within the budget or was stopped by it (none failed another way)", not crashed,
-      failed_otherwise=crashed)
-
-
-def largest_from_runs(runs: dict) -> int:
-    """The largest batch that fit below the smallest one that did not (0: none)."""
-    first_over = min((b for b, s in runs.items() if not s["memory_budget_fits"]), default=max(runs) + 1)
-    return max((b for b, s in runs.items() if s["memory_budget_fits"] and b < first_over), default=0)
-
-
-LARGEST = {m: largest_from_runs(runs) for m, runs in RESULT.items()}
+WALK = walk.read("08", [Path(c).stem for c in METHODS.values()])  # {row: {micro-batch: summary}}
+RESULT = {m: WALK[Path(c).stem] for m, c in METHODS.items()}
+claim("every run either completed within the budget or was stopped by it (none failed another way)",
+      not walk.failures(WALK), failed_otherwise=walk.failures(WALK))
+LARGEST = {m: walk.largest(runs) for m, runs in RESULT.items()}
 TABLE = pd.DataFrame({
     "predicted": PREDICTED,
     "runs": {m: ", ".join(f"{b} {'fits' if s['memory_budget_fits'] else 'does not'}" for b, s in sorted(r.items()))

@@ -135,8 +135,8 @@ claim("the adapter's whole state is under a fifth of the frozen weights a rank h
       adapter_KiB=table.adapter_state_KiB.round(1).tolist())
 exact = table.state_exact[["full_shard", "zero2"]]
 claim("FSDP's and ZeRO-2's state on every rank equals the estimator's, to the byte", exact.all(), exact=exact.tolist())
-print(f"ZeRO-3 holds {table.zero3_extra_MiB['zero3']:.3f} MiB more than the estimator counts: the partitions of the "
-      "small parameters it also keeps whole")
+print(f"ZeRO-3 holds {table.zero3_extra_MiB['zero3']:.3f} MiB more than the estimator counts (our reading, not "
+      "checked here: the partitions of the small parameters it also keeps whole)")
 
 # %% [markdown]
 # ## Will it fit? The estimator against these jobs

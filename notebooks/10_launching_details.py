@@ -22,7 +22,9 @@
 #
 # **What we run.** Notebook 00's pair again (FSDP FULL_SHARD and DeepSpeed ZeRO-3, the tiny model,
 # `helpers.train`'s default learning rate, 3e-3), then the FSDP job at a third of that rate, for
-# the same number of steps.
+# the same number of steps. With `--reuse`, a job that notebook 00 already ran here (same flags,
+# ranks and code) is copied from its run directory instead of trained again, and its line says
+# `reused`; otherwise it runs.
 
 # %%
 import math
@@ -43,7 +45,8 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks")
 # set -o pipefail
 # for cfg in fsdp/full_shard deepspeed/zero3; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$cfg.yaml \
-#         --out notebooks/runs/10_$(dirname $cfg) --model tiny --steps $STEPS | tail -n 1
+#         --out notebooks/runs/10_$(dirname $cfg) --model tiny --steps $STEPS \
+#         --reuse notebooks/runs/00_$(dirname $cfg) | tail -n 1
 # done
 
 # %% [markdown]

@@ -25,6 +25,8 @@
 # offload keys to `nvme`, a local directory), on the `tiny` model, 2 ranks each (1 on a one-GPU
 # machine; on more, the tiny model's optimizer partitions would fall under NVMe's minimum: the sizes
 # cell below). <!-- fact: deepspeed.nvme_min_aio_bytes --> As in notebook 03, on a CPU-only machine "device" and "host" are the same RAM.
+# With `--reuse`, a job notebook 03 already ran here (same flags, ranks and code) is copied from
+# its run directory instead of trained again, and its line says `reused`; otherwise it runs.
 
 # %%
 import os
@@ -167,7 +169,7 @@ print(tables.settings_table(CONFIGS).to_string())
 # %% language="bash"
 # for c in fsdp/full_shard fsdp/full_shard_offload deepspeed/zero3 deepspeed/zero3_offload_optimizer deepspeed/zero3_offload; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$c.yaml \
-#         --out notebooks/runs/13_$(basename $c) $ARGS --steps $STEPS | tail -n 1
+#         --out notebooks/runs/13_$(basename $c) $ARGS --steps $STEPS --reuse notebooks/runs/03_$(basename $c) | tail -n 1
 # done
 
 # %% [markdown]

@@ -24,7 +24,9 @@
 #
 # **What we run.** Notebook 04's four prefetch settings again and three other FSDP unit choices,
 # each a short job with `--profile` (a `torch.profiler` trace of two steps per rank, read by
-# `helpers.nb.traces`), into `notebooks/runs/14_*`; at full size also a compiled pair.
+# `helpers.nb.traces`), into `notebooks/runs/14_*`; at full size also a compiled pair. With
+# `--reuse`, a job notebook 04 already ran here (same flags, ranks and code) is copied from its
+# run directory instead of trained again, and its line says `reused`; otherwise it runs.
 #
 # | setting | config in `launch_configs/` |
 # |---|---|
@@ -57,7 +59,7 @@ print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, g
 # %% language="bash"
 # for cfg in fsdp/full_shard_no_prefetch fsdp/full_shard_prefetch deepspeed/zero3_no_prefetch deepspeed/zero3_prefetch; do
 #     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config launch_configs/$cfg.yaml \
-#         --out notebooks/runs/14_$(basename $cfg) $ARGS | tail -n 1
+#         --out notebooks/runs/14_$(basename $cfg) $ARGS --reuse notebooks/runs/04_$(basename $cfg) | tail -n 1
 # done
 
 # %%
@@ -86,7 +88,7 @@ pf = {k: results.load_run(f"notebooks/runs/{v}") for k, v in PF.items()}
 #
 # The "transformer blocks" row is notebook 04's prefetch setting (`full_shard_prefetch.yaml`); the
 # other three configs do not set forward prefetch, so their step times and peaks are not a
-# like-for-like comparison with it (FSDP's counts are: prefetch changes none of them, notebook 04 checks it).
+# like-for-like comparison with it (FSDP's counts are: prefetch changes none of them, checked below).
 #
 # Where the guide differs from `accelerate launch`, on purpose, the job log says so in a `note:`
 # line: with `SIZE_BASED_WRAP` the policy also picks `model.layers` (a `ModuleList`), which
@@ -158,6 +160,10 @@ claim("without policy units there are 3 units (embedding, norm + head, the root)
       "decoder block at once", utab.loc["no wrap", "units"] == 3
       and abs(utab.loc["no wrap", "largest_all_gather_MB"] - blocks_mb) < 1e-3 and blocks_mb > 0.5 * model_mb,
       largest_gather_MB=utab.loc["no wrap", "largest_all_gather_MB"], blocks_MB=blocks_mb)
+pft = traces.collective_table([pf["FSDP no prefetch"], pf["FSDP prefetch"]], labels=["no prefetch", "prefetch"])
+claim("FSDP's counts do not depend on prefetch (so the other unit choices' counts compare with the blocks row)",
+      (pft.all_gathers.nunique(), pft.reduce_scatters.nunique()) == (1, 1),
+      all_gathers=pft.all_gathers.astype(int).to_dict(), reduce_scatters=pft.reduce_scatters.astype(int).to_dict())
 claim("not resharding after forward saves the backward gathers",
       utab.loc["blocks, no reshard", "all_gathers"] < utab.loc["transformer blocks", "all_gathers"],
       no_reshard=int(utab.loc["blocks, no reshard", "all_gathers"]),

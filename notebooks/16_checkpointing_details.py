@@ -143,10 +143,14 @@ if nb.bitwise_parity_expected(NPROC):
 else:
     claim(f"on 1 rank, the three routes' losses over steps {2 * K}..{3 * K - 1} are within 1e-2 of each other (GPU)",
           routes and spread < 1e-2, max_difference=spread)
+two = fsdp_losses[2 * K:3 * K]  # the 2-rank FSDP job of section 1 trained these steps before its killed save
+claim("they continue differently from the 2-rank job (another global batch): every step's loss differs",
+      len(two) == K and all(abs(a - b) > 1e-6 for a, b in zip(one["dcp"].summary["losses"], two, strict=True)),
+      one_rank=[round(x, 4) for x in one["dcp"].summary["losses"]], two_ranks=[round(x, 4) for x in two])
 
 # %% [markdown]
 # (On 1 rank the global batch is smaller than on 2, so these steps continue differently from
-# the 2-rank job; what counts is that the three routes agree.)
+# the 2-rank job, as the last check shows; what counts is that the three routes agree.)
 #
 # ## 3 · Weights for inference
 #

@@ -44,7 +44,7 @@ NPROC = nb.nproc()
 RANK_SWEEP = nb.world_sizes([1, 2, 4])  # on a GPU node: up to its number of GPUs
 RANK_EXTRA = [n for n in RANK_SWEEP if n != NPROC]  # the NPROC point is the size sweep's own job
 SIZES = ["tiny", "small"] if QUICK else ["tiny", "small", "medium"]
-RANKS_MODEL = "tiny" if QUICK else "small"
+RANKS_MODEL = "tiny"  # its point at NPROC ranks is the size sweep's own tiny job
 SWEEP = "--steps 5 --micro-batch 2 --seq-len 64 --dtype fp32"
 os.environ.update(NPROC=str(NPROC), SIZES=" ".join(SIZES), RANK_EXTRA=" ".join(map(str, RANK_EXTRA)),
                   RANKS_MODEL=RANKS_MODEL, SWEEP=SWEEP)

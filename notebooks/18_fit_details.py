@@ -31,7 +31,6 @@
 # %%
 import json
 import os
-import re
 import statistics
 from argparse import Namespace
 from pathlib import Path
@@ -41,7 +40,7 @@ import yaml
 
 from helpers import estimate as est
 from helpers import nb
-from helpers.nb import plots, results
+from helpers.nb import plots, results, walk
 from helpers.nb.claims import claim, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: shorter timing runs
@@ -104,50 +103,24 @@ print(pd.DataFrame([{"row": k, "method": lab, "checkpointing": ac, "predicted la
 os.environ["ROWS"] = " ".join(f"{key}:{cfg}:{best}" for key, (_, _, cfg, best) in ROWS.items())
 
 # %% [markdown]
-# The walk of notebook 08: each row starts at its predicted batch and goes one sequence at a
-# time until a batch that fits sits next to one that does not.
+# The walk of notebook 08 (`helpers.nb.walk`): each row starts at its predicted batch and goes one
+# sequence at a time until a batch that fits sits next to one that does not. With `--reuse 08`, a
+# job notebook 08's walk already ran here (same flags, ranks and code) is copied, and its line
+# says `reused`.
 
 # %% language="bash"
-# run() {  # run NAME CONFIG BATCH: one job, its last line
-#     rm -rf notebooks/runs/18_$1
-#     torchrun --standalone --nproc_per_node $NPROC -m helpers.train --config $2 --out notebooks/runs/18_$1 \
-#         $ARGS --micro-batch $3 --memory-budget-gib $BUDGET > /dev/null 2>&1
-#     echo "$1: $(grep -E '^(done|error):' notebooks/runs/18_$1/log.txt | tail -n 1)"
-# }
-# fits() { grep -q '^done:' notebooks/runs/18_$1/log.txt; }
-# for row in $ROWS; do
-#     IFS=: read -r key cfg b <<< "$row"
-#     rm -rf notebooks/runs/18_${key}_b[0-9]*  # this row's runs from an earlier execution
-#     b=$(( b > 0 ? b : 1 ))
-#     run ${key}_b$b $cfg $b
-#     if fits ${key}_b$b; then
-#         while fits ${key}_b$b; do b=$((b + 1)); run ${key}_b$b $cfg $b; done
-#     else
-#         while [ $b -gt 1 ] && ! fits ${key}_b$b; do b=$((b - 1)); run ${key}_b$b $cfg $b; done
-#     fi
-# done
+# python -m helpers.nb.walk --prefix 18 --nproc $NPROC --budget $BUDGET $ROWS --reuse 08 -- $ARGS
 
 # %%
 def summary(name):
     return json.loads((RUNS / f"18_{name}" / "summary.json").read_text())
 
 
-PLAN = {}  # run name: (label, checkpointing, config, micro-batch, predicted largest), from the run directories
-for key, (label, ac, config, best) in ROWS.items():
-    for d in RUNS.glob(f"18_{key}_b*"):
-        if re.fullmatch(rf"18_{key}_b(\d+)", d.name):
-            PLAN[d.name[3:]] = (label, ac, config, int(d.name.rsplit("_b", 1)[1]), best)
-RESULT = {name: summary(name) for name in PLAN}
-crashed = {n: s["reason"] for n, s in RESULT.items()
-           if s["status"] != "completed" and "--memory-budget-gib" not in (s.get("reason") or "")}
-claim("every run either completed within the budget or was stopped by it (none failed another way)", not crashed,
-      failed_otherwise=crashed)
-
-
-def largest_from_runs(runs: dict) -> int:
-    """The largest batch that fit below the smallest one that did not (0: none)."""
-    first_over = min((b for b, s in runs.items() if not s["memory_budget_fits"]), default=max(runs) + 1)
-    return max((b for b, s in runs.items() if s["memory_budget_fits"] and b < first_over), default=0)
+WALK = walk.read("18", ROWS)  # {row: {micro-batch: summary}}
+PLAN = {f"{key}_b{b}": (*ROWS[key][:3], b, ROWS[key][3]) for key, runs in WALK.items() for b in runs}
+RESULT = {name: summary(name) for name in PLAN}  # run name: summary; PLAN: (label, checkpointing, config, b, predicted)
+claim("every run either completed within the budget or was stopped by it (none failed another way)",
+      not walk.failures(WALK), failed_otherwise=walk.failures(WALK))
 
 
 rows = []
@@ -158,7 +131,7 @@ for label in METHODS:
         rows.append({"method": label, "checkpointing": "yes" if ac else "no", "predicted": best,
                      "runs": ", ".join(f"{b} {'fits' if s['memory_budget_fits'] else 'does not'}"
                                        for b, s in sorted(runs.items())),
-                     "largest (runs)": largest_from_runs(runs)})
+                     "largest (runs)": walk.largest(runs)})
 TABLE = pd.DataFrame(rows)
 print(TABLE.to_string(index=False))
 by = TABLE.set_index(["method", "checkpointing"])["largest (runs)"]

@@ -121,6 +121,9 @@ SUMMARY_KEYS = {
                            "limit, on a CPU compared with peak_tensor_bytes after the probe step",
     "memory_budget_fits": "true: every rank's peak stayed within memory_budget_bytes; false: the job stopped "
                           "because one did not (status failed, reason says which rank); null: no budget",
+    "job_key": "sha256 of what decides the result: flags but --out/--reuse, the files they name, ranks, nodes, "
+               "host, helpers/ and launch_configs/ (helpers.job.reuse); --reuse DIR copies DIR when it matches",
+    "reused_from": "the run directory this run was copied from by --reuse (helpers.job.reuse); null when it ran",
     "deterministic": "true: a GPU job ran with --deterministic (torch.use_deterministic_algorithms, "
                      "CUBLAS_WORKSPACE_CONFIG); false otherwise, and always on a CPU, where it changes nothing",
     "optimizer_impl": "how the optimizer stepped, read from it: for-loop (the default, --optimizer-impl; the "

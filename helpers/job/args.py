@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  description="The job entry point: one code path for 1 rank, N ranks and N nodes.")
     ap.add_argument("--config", required=True, help="Accelerate-format YAML (launch_configs/...)")
     ap.add_argument("--out", required=True, help="run directory to write")
+    ap.add_argument("--reuse", metavar="DIR", help="a completed run of this same job in DIR (same flags but "
+                    "--out, same files, ranks, host and code) is copied to --out instead of training again; "
+                    "otherwise the job runs and a note: says why (helpers.job.reuse)")
     ap.add_argument("--model", help="preset (tiny, small, medium), config.json or pretrained dir")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--lr", type=float)

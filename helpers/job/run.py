@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -34,6 +35,7 @@ from datetime import timedelta
 from functools import partial
 
 from helpers import set_ds_accelerator
+from helpers.job import reuse
 from helpers.job.args import OVERRIDES, parse_args
 from helpers.job.backends import apply_backend, optimizer_impl
 from helpers.job.checks import check_observers, checkpointing_notes, resolve_job
@@ -69,7 +71,12 @@ def fail_config(rank: int, msg: str, grace_s: float = 15.0) -> None:
 
 
 def main(argv=None) -> int:
-    s = validate(parse_args(argv))  # bad input: one line, exit 2, before anything starts
+    args = parse_args(argv)
+    note = reuse.try_reuse(args) if args.reuse else None  # --reuse DIR: the same job, completed there, is copied
+    if args.reuse and note is None:
+        return 0
+    s = validate(args)  # bad input: one line, exit 2, before anything starts
+    s.job.notes += [note] if note else []
     start(s)  # from here on, a failure on any rank ends the job with status 1 and a failed summary
     return run(s)
 
@@ -138,7 +145,6 @@ def validate(args: argparse.Namespace, refuse=fail_config) -> JobState:
         refuse(rank, str(e))
     return JobState(args, job, spec, rank, world_size, guard, RunDir(args.out, active=rank == 0), resolved,
                     ds_filled, resume_meta, peft)
-
 
 
 def start(s: JobState) -> None:
@@ -287,17 +293,14 @@ def train_loop(s: JobState) -> None:
               f"{t.steps} steps x {t.grad_accum} x {t.micro_batch} x {t.seq_len} tokens per rank")
     for step in range(s.start_step, t.steps):
         s.guard.fault_hook(step)  # GUIDE_FAIL_* test hooks; nothing otherwise
-        batches = [
-            synthetic_batch(step, seed=t.seed, rank=s.rank, world_size=s.world_size, micro_batch=t.micro_batch,
-                            seq_len=t.seq_len, vocab_size=vocab, micro_step=m, grad_accum=t.grad_accum).to(s.device)
-            for m in range(t.grad_accum)
-        ]
+        batches = [synthetic_batch(step, seed=t.seed, rank=s.rank, world_size=s.world_size, micro_batch=t.micro_batch,
+                                   seq_len=t.seq_len, vocab_size=vocab, micro_step=m, grad_accum=t.grad_accum
+                                   ).to(s.device) for m in range(t.grad_accum)]
         s.probe = None
         obs.on_step_begin(s, step)
         lr = getattr(engine, "current_lr", t.lr)  # a DeepSpeed JSON scheduler moves it
-        # the step's one all-reduce is timed too: it carries FSDP's gradient-norm sum (without clipping), which
-        # DeepSpeed reduces inside its own step, so both backends' step times count the same work (--track-updates'
-        # counts are built here too: a run that tracks updates is not a throughput run)
+        # the step's one all-reduce is timed too: it carries FSDP's gradient-norm sum (no clipping), which DeepSpeed
+        # reduces in its own step, so both count the same work (--track-updates' counts too: not a throughput run)
         with Timer(s.device) as timer:
             loss = engine.train_step(batches, s.probe)
             sums = sum_over_ranks({"loss": loss, **engine.step_sums(), **obs.step_sums(s)}, s.device)
@@ -392,8 +395,6 @@ def _without_build_line():
 
 
 def _quiet_deepspeed(rank: int) -> None:
-    import logging
-
     from deepspeed.utils import logger
 
     logger.setLevel(logging.WARNING if rank == 0 else logging.ERROR)

@@ -110,6 +110,8 @@ def base_summary(s: JobState) -> dict:
     """summary.json's keys known before the job starts (a failed job keeps them)."""
     import torch
 
+    from helpers.job.reuse import job_key
+
     job, t = s.job, s.job.train
     nodes = env_int("GROUP_WORLD_SIZE", 1) if "GROUP_WORLD_SIZE" in os.environ \
         else max(1, s.world_size // env_int("LOCAL_WORLD_SIZE", s.world_size))
@@ -123,6 +125,7 @@ def base_summary(s: JobState) -> dict:
         "peft": None, "audit": None, "activation_checkpointing": None, "optimizer_impl": None,
         "memory_budget_bytes": None, "memory_budget_fits": None,
         "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
+        "job_key": job_key(s.args, s.world_size), "reused_from": None,  # what --reuse compares, and sets
     }
 
 

@@ -8,8 +8,8 @@ categories (params, grads, optimizer_states, master_params) over ``LOCATIONS``:
 ``host``    host memory the backend offloaded to: FSDP2's ``CPUOffloadPolicy`` (params,
             their grads and optimizer states, all together), DeepSpeed's
             ``offload_optimizer`` (fp32 master, Adam's states, reduced gradient
-            partitions) and ``offload_param`` (bf16 parameter partitions, except the small
-            "persistent" ones ZeRO-3 keeps whole next to the compute);
+            partitions) and ``offload_param`` (every bf16 parameter partition; the small
+            "persistent" parameters ZeRO-3 keeps whole next to the compute stay there);
 ``disk``    DeepSpeed's NVMe swap files of this rank, measured as file sizes on disk
             (``nvme_path/zero_stage_3/{bfloat16params,optimizer}/rank{r}/*.swp``).
 

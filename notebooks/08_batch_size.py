@@ -30,7 +30,7 @@
 # the budget.
 #
 # **What we look at.** The max-batch table next to the write-up's rows; why ZeRO-3 fits no
-# more than FULL_SHARD; what offload and DeepSpeed's default bucket do. Activation
+# more than FULL_SHARD; what offload and DeepSpeed's bucket do. Activation
 # checkpointing and the estimator's accuracy are in the deep dive `18_fit_details`.
 
 # %%
@@ -116,9 +116,8 @@ os.environ["ROWS"] = " ".join(f"{Path(c).stem}:{c}:{PREDICTED[m]}" for m, c in M
 
 # %% [markdown]
 # Now the runs. Each method starts at its predicted micro-batch (1 where none is predicted to
-# fit); a job over budget stops after step 1 with one `error:` line. The cell
-# (`helpers.nb.walk`: one `torchrun -m helpers.train ... --memory-budget-gib` job per batch) walks one
-# sequence at a time, up while the batch fits, down while it does not: two jobs when the
+# fit); a job over budget stops after step 1 with one `error:` line. `helpers.nb.walk` moves
+# one sequence at a time, up while the batch fits, down while it does not: two jobs when the
 # prediction is right.
 
 # %% language="bash"

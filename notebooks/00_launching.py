@@ -77,7 +77,7 @@ print(Path("launch_configs/deepspeed/zero3.yaml").read_text())
 print(Path("launch_configs/deepspeed/zero3.json").read_text())
 
 # %% [markdown]
-# A config is checked before any process starts. `python -m helpers.config` runs the
+# A config is checked before training starts. `python -m helpers.config` runs the
 # same check on its own, so you can validate an edited file first. Its `note:` lines name the
 # keys that have no effect here (the three that only `accelerate launch` reads, to start the
 # processes, are in every shipped file): <!-- fact: accelerate.launch_only_keys -->
@@ -135,7 +135,8 @@ fig.tight_layout()
 # %% [markdown]
 # **What it means.** The curves lie on top of each other and the difference is zero at
 # every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
-# (bf16 module, fp32 master partitions) do the same arithmetic. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
+# (bf16 module, fp32 master partitions) do the same arithmetic (our reading of the identical
+# losses; the deep dive `12_parity` traces every tensor). <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 # The cell below checks
 # this, so the claim fails loudly if it ever stops being true. (Measured on the CPU with
 # gloo. On a GPU these jobs run without `--deterministic`, so the cell checks that the losses
@@ -159,7 +160,7 @@ claim("the model learns: the final loss is over 0.5 below the first", fsdp.summa
 # %% [markdown]
 # ## When the config is wrong
 #
-# A typo is refused before any rank starts, with one line naming the file, the key and
+# A typo is refused before any process group starts (each rank checks it first), with one line naming the file, the key and
 # what was meant. (Under `torchrun` the launcher then adds its own failure report.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%
@@ -187,7 +188,7 @@ for r in (fsdp, ds):
 # * With the precision settings aligned, FSDP FULL_SHARD and ZeRO-3 produced the same
 #   loss at every step.
 # * The run directory (`config.json`, `metrics.jsonl`, `summary.json`, `log.txt`) is what
-#   every later notebook reads.
+#   the later notebooks read.
 # * The step times above are one run each on a shared CPU: not a speed comparison of the
 #   backends (notebook 07 compares them with repeated steps and says when a difference is
 #   above the noise). Nor is MFU, which divides by each job's own measured peak (each

@@ -38,7 +38,7 @@ from helpers.nb.claims import claim
 
 SIZE = nb.setup()
 # every mode at 2 ranks; the hybrids at 4 (2 replicas x 2 shards), at full size only: a quick run (CI's smoke
-# test) stops at 2 ranks, as a 2-GPU node does. Memory is exact after 2 steps.
+# test) stops at 2 ranks, as a 2-GPU node does. Two steps: memory needs no long run.
 WORLDS = nb.world_sizes([2, 4] if SIZE == "full" else [2])  # GPU node: up to its GPUs (one per nccl rank)
 assert 2 in WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"
 JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory needs no long run
@@ -199,9 +199,9 @@ claim("at rest ZeRO-1 holds what ZeRO-2 holds, and SHARD_GRAD_OP what FULL_SHARD
 # ## What it buys: the largest micro-batch in a memory budget
 #
 # Hugging Face's write-up on DeepSpeed in Accelerate reports DDP fitting batch 8 and ZeRO-2 batch
-# 40 on 24 GB cards (its tables: notebook 08). For our model, in its simplest form: per rank, the
-# state above plus activations per sequence (also measured) must fit a budget. This leaves out everything transient and the process itself;
-# notebook 08 adds them and confirms with runs.
+# 40 on 24 GB cards (its tables: notebook 08). For our model, simply: per rank, the
+# state above plus activations per sequence (also measured) must fit a budget. This leaves out everything transient
+# (notebook 08 adds it and confirms with runs) and the process itself (`11_sharding_details`).
 
 # %%
 BUDGET = 512 * 2**20  # bytes per rank; try your own card's size
@@ -225,7 +225,7 @@ claim(f"at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences t
 # %% [markdown]
 # ## Recap
 #
-# Measured on this machine, per rank, before the optimizer step (MiB):
+# Measured on this machine, rank 0, before the optimizer step (MiB):
 
 # %%
 recap = (mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum() / 2**20).unstack().round(1)

@@ -18,12 +18,12 @@
 #
 # **The question.** In Hugging Face's write-up on aligning the two backends in Accelerate, Mistral-7B,
 # loaded in bf16, trained on 4 GPUs at one learning rate: DeepSpeed's loss fell, FSDP's hardly
-# moved. Raising FSDP's rate made it train, but the cause was the optimizer's dtype. FSDP, given a
+# moved. A higher rate made FSDP train, but the cause was the optimizer's dtype. FSDP, given a
 # bf16 model and no mixed precision, runs the *optimizer* in bf16, <!-- fact: torch.fsdp2_bf16_model_bf16_optimizer -->
 # while DeepSpeed with bf16 keeps fp32 master weights. <!-- fact: deepspeed.bf16_master_weights_option -->
 # In bf16 a small update to a weight rounds back to the same weight. <!-- fact: torch.bf16_small_update_rounds_away -->
 #
-# **What we run.** Three modes on the same bf16-loaded tiny Llama, same data, same rate:
+# **What we run.** Three modes on one bf16-loaded tiny Llama, same data and rate:
 #
 # | mode | config | stored params / optimizer |
 # |---|---|---|
@@ -166,7 +166,7 @@ measured = {"fsdp_low": low.summary["dtypes"], "fsdp_mixed": mixed.summary["dtyp
 print(tables.dtype_table(measured).to_string())
 
 # %% [markdown]
-# **Reading it.** The write-up's table holds for what the optimizer updates and for Adam's states:
+# **Reading it.** For the probed weight, the write-up's table holds for the optimizer's weights and Adam's states:
 # bf16 in the low-precision mode, fp32 in the other two. <!-- fact: torch.fsdp2_mixed_16_bytes --> <!-- fact: deepspeed.bf16_default_dtypes -->
 # It differs on one row: DeepSpeed's stored shard is **bf16**, and the fp32 copy is a separate
 # master. <!-- fact: deepspeed.zero3_bf16_dtypes --> Both aligned modes reduce gradients in
@@ -232,7 +232,7 @@ if nb.bitwise_parity_expected(NPROC):  # as the losses above
           aligned_fsdp=mixed.metrics["updated_fraction_compute"].round(4).tolist()[:8])
 
 # %% [markdown]
-# **What it shows.** With fp32 shards nearly every weight with a gradient moves at every step, and
+# **What it shows.** With fp32 shards nearly every weight with a gradient moves at every step from step 5, and
 # small moves add up until they cross a bf16 rounding boundary (our reading of the two curves). In the low-precision run a move under
 # half a rounding step (up to about |w| / 256) is lost for good. <!-- fact: torch.bf16_small_update_rounds_away -->
 # The aligned FSDP and DeepSpeed curves coincide: DeepSpeed's bf16 shard is its fp32 master
@@ -304,7 +304,7 @@ print(f"  fix 1, low precision at lr {LR_SCALED}: drop {d_scaled:.3f}; "
 print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.summary['losses']}")
 
 # %% [markdown]
-# * At a small rate, bf16-only FSDP trains far more slowly than aligned FSDP and DeepSpeed (our
+# * Here, at a small rate, bf16-only FSDP trained far more slowly than aligned FSDP and DeepSpeed (our
 #   reading: bf16 rounds away updates under half its rounding step).
 # * Larger rates move the slow run (the drops above), but are other training runs. Mixed precision
 #   (`mixed_precision: bf16`, fp32 shards) removes the stall for twice the model-state bytes.

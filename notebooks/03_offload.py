@@ -56,7 +56,7 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 #
 # One key in FSDP; <!-- fact: accelerate.fsdp_offload_one_switch --> two in DeepSpeed, `offload_param` for the parameter partitions and
 # `offload_optimizer` for the rest, each to `cpu` or `nvme` <!-- fact: deepspeed.offload_keys --> <!-- fact: deepspeed.zero3_offload_keys --> (where
-# each config *asks* each kind of state to go; section 1 shows where the bytes end up; NVMe runs in
+# each config *asks* each kind of state to go; section 1 shows where each backend books the bytes; NVMe runs in
 # the deep dive):
 
 # %%
@@ -140,9 +140,9 @@ ALL3 = ("params", "grads", "optimizer_states")
 R = range(NPROC)
 claim("FSDP without offload keeps params, grads and optimizer states on the device, on every rank",
       all(places("FSDP, no offload", c, r) == {"device"} for c in ALL3 for r in R))
-claim("FSDP offload moves all three to the host together, on every rank (the concept guide's 'all or nothing')",  # fact: torch.fsdp2_cpu_offload_all
+claim("FSDP offload books all three on the host together, on every rank (the concept guide's 'all or nothing')",  # fact: torch.fsdp2_cpu_offload_all
       all(places("FSDP offload", c, r) == {"host"} for c in ALL3 for r in R))
-claim("FSDP offload holds the same state bytes as no offload: the same shards, moved (buffers outside the "  # fact: torch.fsdp2_cpu_offload_all
+claim("FSDP offload holds the same state bytes as no offload: the same shards, booked on the host (buffers outside the "  # fact: torch.fsdp2_cpu_offload_all
       "state are not in these counts)",
       RUNS["FSDP offload"].summary["memory_bytes"] == RUNS["FSDP, no offload"].summary["memory_bytes"])
 claim("DeepSpeed's offload_optimizer keeps the params on the device and puts the fp32 master, Adam's states "  # fact: deepspeed.zero3_offload_keys

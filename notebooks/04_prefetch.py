@@ -97,9 +97,9 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # units `accelerate launch` makes from these files). <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
 # ZeRO-3 without prefetch gathers each module's own parameters when it runs, in forward and again
 # in backward: many small transfers. <!-- fact: deepspeed.zero3_gathers_per_module -->
-# With its default-sized prefetch bucket (5e7 elements, bigger than this whole model) it fetches
-# everything in the first gather and keeps each parameter until its last use in backward: one
-# all-gather per step. <!-- fact: deepspeed.zero3_bucket_gathers_once --> Its
+# With its default-sized prefetch bucket (5e7 elements, bigger than this whole model) it fetches,
+# from its second step on, everything in the first gather and keeps each parameter until its last
+# use in backward: one all-gather per step. <!-- fact: deepspeed.zero3_bucket_gathers_once --> Its
 # `stage3_max_reuse_distance` (printed below) decides that; `stage3_max_live_parameters` only caps
 # the prefetch. <!-- fact: deepspeed.zero3_release_not_by_max_live -->
 #
@@ -169,7 +169,7 @@ claim(f"FSDP's {len(units_tf)} units predict its collectives exactly, with and w
 claim(f"ZeRO-3 without prefetch gathers each of the {n_tensors} parameter tensors on its own, in forward and "
       "again in backward", tab.loc["ZeRO-3 no prefetch", "all_gathers"] == 2 * n_tensors,
       all_gathers=int(tab.loc["ZeRO-3 no prefetch", "all_gathers"]))
-claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step",
+claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step (the profiled step 2)",
       tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1, all_gathers=int(tab.loc["ZeRO-3 prefetch", "all_gathers"]))
 
 # %% [markdown]
@@ -180,7 +180,7 @@ claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step
 # earlier, so by design one more unit can be held next to the one computing (not measured: traces
 # show when a gather starts, not how long it is held). <!-- fact: torch.fsdp2_forward_prefetch_order -->
 # We claim nothing from the table's `peak_allocated_MB`: one job per setting, and identical jobs'
-# peaks differ (notebook 08).
+# peaks differ (`18_fit_details` prints by how much).
 
 # %%
 model_mb = sum(u.num_params for u in units_tf) * 2 / 1e6  # the whole model in bf16
@@ -213,10 +213,10 @@ for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 
 
 # %%
 print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
-print(f"FSDP, transformer-block units ({len(units_tf)}): {want['all_gathers']} all-gathers and "
-      f"{want['reduce_scatters']} reduce-scatters per step, with or without prefetch; prefetch issues block 1's "
+print(f"FSDP, transformer-block policy ({len(units_tf)} units): {want['all_gathers']} all-gathers and "
+      f"{want['reduce_scatters']} reduce-scatters per profiled step, with or without prefetch; prefetch issues block 1's "
       "gather before block 0's forward is done")  # fact: torch.fsdp2_forward_prefetch_order
-print(f"ZeRO-3: {int(tab.loc['ZeRO-3 no prefetch', 'all_gathers'])} all-gathers per step without prefetch, "
+print(f"ZeRO-3: {int(tab.loc['ZeRO-3 no prefetch', 'all_gathers'])} all-gathers per profiled step without prefetch, "
       f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, gathered at once)")
 
 # %% [markdown]

@@ -59,7 +59,7 @@ facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FS
 #
 # Nothing can be downloaded here, so we make one: the preset with seeded random weights,
 # saved in fp32 with `save_pretrained`. `--model DIR` accepts any such directory, a real
-# checkpoint included.
+# checkpoint included (not run here).
 
 # %% language="bash"
 # [ -f $PRETRAINED/model.safetensors ] || python -m helpers.loading $MODEL $PRETRAINED
@@ -135,7 +135,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 #   peak far below naive. Rank 0 builds the whole state dict in its own memory, in the load
 #   dtype (bf16 here), to broadcast it, <!-- fact: torch.broadcast_from_rank0_per_tensor --> on top of its own fp32 shard, so its
 #   peak stays well above the others'. The saving is on the other `world_size - 1` ranks,
-#   which never build the whole state dict.
+#   which never build the whole state dict (by design: the peaks alone cannot show it).
 # * **ZeRO-3 init**: each module's parameters are partitioned once the module is created, <!-- fact: deepspeed.zero_init_partitions_on_creation -->
 #   and filled module by module; only rank 0 reads the file <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (`peak_file_MiB`: rank 0's is
 #   the memory-mapped file, page cache, not a copy it made; the others' stays far below). The
@@ -219,8 +219,8 @@ for label in NAMES.values():
 # * Naive loading costs every rank the whole model before sharding.
 # * FSDP's RAM-efficient loading (meta init, rank-0 read, broadcast) keeps the other ranks
 #   far below naive; its rank 0 still reads the whole state dict. <!-- fact: torch.broadcast_from_rank0_per_tensor -->
-# * DeepSpeed's ZeRO-3 init (partition on creation) keeps every rank, rank 0 included, well
-#   below naive. <!-- fact: deepspeed.zero_init_partitions_on_creation -->
+# * With DeepSpeed's ZeRO-3 init (partition on creation), every rank, rank 0 included, peaked
+#   well below naive (whether a rank ever held the whole bf16 model, the peaks cannot show). <!-- fact: deepspeed.zero_init_partitions_on_creation -->
 # * Weights loaded every way equal the file's, value by value on every rank (rounded to the
 #   load dtype).
 # * Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict. <!-- fact: transformers.rope_buffers_non_persistent -->

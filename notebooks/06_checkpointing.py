@@ -135,7 +135,7 @@ fig.tight_layout()
 # difference is zero at every step after the first switch. That needs the weights, Adam's
 # moments and its step counter to come through both conversions unchanged (the tests compare
 # those tensors: `tests/test_convert_layouts.py`, `tests/test_checkpoint.py`), and FSDP and
-# ZeRO-3 to compute the same bits per step, as they do on CPU/gloo (notebook 00; on GPUs the
+# ZeRO-3 to compute the same bits per step, as they did here on CPU/gloo (notebook 00; on GPUs the
 # check allows 1e-2). The jump at step 9 (on 2 ranks) is the loss bump the deep dive
 # `10_launching_details` traces to the learning rate (printed below), on both lines alike. The checks:
 
@@ -254,7 +254,7 @@ for kind, r in table.iterrows():
 # * FSDP and DeepSpeed keep the same fp32 numbers in different layouts; <!-- fact: deepspeed.zero3_checkpoint_contents -->
 #   converting through one consolidated layout, with the DeepSpeed import done inside the
 #   resuming job, continued training bit-identically in both directions (on this CPU).
-# * A resumable checkpoint is about 12 bytes per parameter on both backends; DeepSpeed's 16-bit
+# * A resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
 #   file, about 6x smaller, holds weights only.
 # * More in the deep dive `16_checkpointing_details`: atomic saves, another world size,
 #   DeepSpeed's own tools, weights for inference and each ZeRO stage's import.

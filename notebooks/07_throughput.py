@@ -173,7 +173,7 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this core's (the med
 #   core's. <!-- fact: torch.omp_num_threads_sets_intraop --> On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters its
 #   gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults -->
-#   With gloo these are memory copies on the same cores that compute (notebook 04 times them). <!-- fact: torch.gloo_worker_threads -->
+#   With gloo these are memory copies on the same cores that compute (notebook 04 draws them on its timelines). <!-- fact: torch.gloo_worker_threads -->
 #   On GPUs, NCCL runs on its own streams and prefetch overlaps the next layer's all-gather with
 #   this layer's compute (not checked here). <!-- fact: torch.gpu_collectives_own_stream -->
 # * **Fixed costs per op.** A small model issues many small ops (Python, op launches, the
@@ -193,7 +193,7 @@ pd.concat([pair.assign(model="tiny"), SEEDS.assign(model="Granite 7B")]).round(3
 # * MFU = FLOPs per token (`6 N + 12 L H Q T`, embedding left out) x tokens/s / peak; the same
 #   `6 N` term gives the write-up's MFU from its tokens/s to within 10%.
 # * The aligned pair trains identically on both backends; its speed difference here is the verdict
-#   printed above, claimed only when runs made in turn all part.
+#   printed above, which names a faster backend only when runs made in turn all part.
 # * How throughput and MFU move with the model's size and the number of ranks, and bf16 against
 #   fp32 on a CPU: the deep dive `17_scaling`. The harness's own cost: `python benchmarks/overhead.py`.
 #

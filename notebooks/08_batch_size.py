@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 08 · Will it fit? The largest batch per method, predicted and then run
 #
-# **The question.** Hugging Face's write-up on DeepSpeed in Accelerate reports that sharding buys
+# **The question.** [Hugging Face's write-up on DeepSpeed in Accelerate](https://huggingface.co/blog/accelerate-deepspeed) reports that sharding buys
 # batch: DeBERTa-v2-xlarge on two 24 GB GPUs trains at most batch 8 under DDP and 40 under
 # ZeRO-2; GPT-XL (1.5B) does not fit one 24 GB GPU under DDP and trains at batch 16 under
 # ZeRO-3 with CPU offload. For a memory budget per rank, what is the largest micro-batch under
@@ -44,6 +44,8 @@ import yaml
 
 from helpers import estimate as est
 from helpers import nb
+from helpers.core.models import resolve_model
+from helpers.job.wrap import meta_model
 from helpers.nb import plots, walk
 from helpers.nb.claims import claim
 
@@ -116,7 +118,7 @@ os.environ["ROWS"] = " ".join(f"{Path(c).stem}:{c}:{PREDICTED[m]}" for m, c in M
 
 # %% [markdown]
 # Now the runs. Each method starts at its predicted micro-batch (1 where none is predicted to
-# fit); a job over budget stops after step 1 with one `error:` line. `helpers.nb.walk` moves
+# fit); a job over budget ends with one `error:` line. `helpers.nb.walk` moves
 # one sequence at a time, up while the batch fits, down while it does not: two jobs when the
 # prediction is right.
 
@@ -158,7 +160,7 @@ else:
     print("on a GPU the allocator's reserved memory sits above the tensors' peak: read the runs column")
 
 # %% [markdown]
-# The same shape as the write-up's tables (their numbers are facts from their GPUs, not runs here):
+# The same direction as the write-up's tables (their numbers are facts from their GPUs, not runs here):
 
 # %%
 SEEDS = pd.DataFrame([
@@ -192,7 +194,7 @@ _ = ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUD
 # Both shard 16 bytes per parameter. <!-- fact: deepspeed.zero3_16_bytes_per_param --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
 # ZeRO-3 also keeps the small parameters whole on every rank (notebook 02): on this tiny model,
 # every decoder weight. The state each job measured (after backward, before the optimizer
-# step), next to the estimator's categories at the same micro-batch (FSDP's `params` are fp32; DeepSpeed's are bf16, next to the fp32
+# step; `-`: not measured), next to the estimator's categories (FSDP's `params` are fp32; DeepSpeed's are bf16, next to the fp32
 # `master_params`): <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 
 # %%
@@ -202,14 +204,19 @@ keys = ["params", "master_params", "grads", "optimizer_states", "comm_buckets", 
         "reduce_scatter_copies", "optimizer_step", "activations"]
 measured = {m: RESULT[m][max(LARGEST[m], 1)]["memory_bytes"][0] for m in (FS, DS)}  # rank 0, before the step
 print(f"MiB per rank (rank 0); estimated at micro-batch {b}")
-print(pd.DataFrame({f"{m}, {kind}": {k: src.get(k, 0) / 2**20 for k in keys}
+print(pd.DataFrame({f"{m}, {kind}": {k: src.get(k, float("nan")) / 2**20 for k in keys}
                     for m in (FS, DS) for kind, src in (("measured", measured[m]), ("estimated", cats[m]))
-                    }).round(2).to_string())
+                    }).round(2).to_string(na_rep="-"))
 rest = {m: sum(measured[m].values()) for m in (FS, DS)}
+zero = json.loads((CFG / "zero3_bucket.json").read_text())["zero_optimization"]
+small = sum(2 * p.numel() for p in meta_model(resolve_model(MODEL)).parameters()  # bf16, whole on every rank
+            if est.is_persistent(p.numel(), est.persistence_threshold(zero)))
 claim("measured, ZeRO-3 holds more state than FULL_SHARD (params, master, grads, optimizer states): "
-      "the same shards plus the small parameters it keeps whole",  # fact: deepspeed.zero3_persistent_small_params
-      rest[DS] > rest[FS] and measured[DS]["params"] > measured[FS]["params"] / 2,
-      MiB={m: v / 2**20 for m, v in rest.items()})
+      "the same shards plus the small parameters it keeps whole (its bf16 params = FSDP's fp32 shard / 2 + those, "
+      "within 1%)",  # fact: deepspeed.zero3_persistent_small_params
+      rest[DS] > rest[FS] and abs(measured[DS]["params"] / (measured[FS]["params"] / 2 + small) - 1) < 0.01,
+      MiB={m: v / 2**20 for m, v in rest.items()}, zero3_params_MiB=measured[DS]["params"] / 2**20,
+      shard_plus_small_MiB=(measured[FS]["params"] / 2 + small) / 2**20)
 # fact: torch.fsdp2_default_backward_prefetch
 # fact: deepspeed.zero3_reuse_distance
 WORK = ["gathered_unit", "gathered_at_backward", "reduce_scatter_copies", "comm_buckets", "optimizer_step"]
@@ -279,7 +286,7 @@ claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1:
 #   micro-batches of the runs' answer on the FSDP rows, and at or above it on DeepSpeed's.
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD: it held
-#   more state (its whole small parameters), and the estimator counts more beside it.
+#   more state (its whole small parameters), and the estimator counts more working bytes (not measured).
 # * On one RAM, offload fit within one sequence of FULL_SHARD, and fewer than the estimator
 #   predicts for a GPU. DeepSpeed's default gradient bucket is larger than this budget: the
 #   shipped ZeRO-3 did not fit batch 1.

@@ -155,7 +155,7 @@ print(f"ZeRO-3 holds {table.zero3_extra_MiB['zero3']:.3f} MiB more than the esti
 # forward it gathers the model, and the all-gather's buffers and their concatenated copy are
 # alive together (`benchmarks/peak_alive.py` shows them).
 #
-# Identical jobs can measure different CPU peaks. A job more than 10% off is run once more, and
+# Identical jobs can measure different CPU peaks (`18_fit_details` shows it). A job more than 10% off is run once more, and
 # the smaller of its two peaks counts, as in `tests/test_estimate.py`. The cell prints both.
 
 # %%
@@ -193,7 +193,7 @@ claim("ZeRO-3 peaks above ZeRO-2 though it holds half the frozen base: the gap p
 #
 # `PeftModel.save_pretrained` writes the tensors that the calling process holds. It gathers
 # nothing for FSDP or ZeRO-3; given empty tensors, it warns and writes them anyway
-# <!-- fact: peft.save_reads_module_tensors --> (under FSDP2 the save fails instead: below). Under ZeRO-3, a partitioned parameter is an
+# <!-- fact: peft.save_reads_module_tensors --> (under FSDP2 the imitated save fails instead and writes no file: below). Under ZeRO-3, a partitioned parameter is an
 # empty placeholder. How many are partitioned depends on `stage3_param_persistence_threshold`:
 # ZeRO-3 keeps parameters of at most that many elements whole on every rank
 # <!-- fact: deepspeed.zero3_persistent_keep_partition -->.
@@ -250,7 +250,7 @@ claim("under FSDP2 the plain save (imitated: PEFT's state dict to safetensors) f
 # written.)
 #
 # **What it means.** A plain save is only safe when every adapter parameter sits whole on rank 0.
-# With Accelerate's `auto` threshold a real model breaks that. Accelerate fills `auto` with 10 × the hidden size
+# With Accelerate's `auto` threshold, a real model with this adapter breaks that. Accelerate fills `auto` with 10 × the hidden size
 # <!-- fact: accelerate.ds_auto_persistence_threshold -->. The cell below does that arithmetic for
 # this notebook's adapter on a model of Llama-2-7B's widths (hidden 4,096, MLP 11,008). Gather
 # first, as the guide does.
@@ -280,12 +280,12 @@ if nb.bitwise_parity_expected(N):
 
 # %% [markdown]
 # On this CPU, with this adapter, yes. Not every target trains alike: the deep dive `19_finetuning_details`
-# moves the adapter to `q_proj` and `v_proj`, shows where that pair parts, and why.
+# moves the adapter to `q_proj` and `v_proj`, shows where that pair parts, and our reading of why.
 #
 # ## Recap
 #
-# - A frozen parameter costs only its weight. FSDP and ZeRO-3 shard it; ZeRO-2 (and ZeRO-1) keep it
-#   whole on every rank.
+# - A frozen parameter costs only its weight. FSDP and ZeRO-3 shard it (ZeRO-3 keeps its small ones
+#   whole too); ZeRO-2 keeps it whole on every rank (ZeRO-1 too: `tests/test_lora.py`).
 # - The estimator takes the LoRA config and predicted these peaks within 10% (without DeepSpeed's
 #   fixed gradient bucket: FSDP and ZeRO-2 within 10%, ZeRO-3 within 20%).
 # - Save the adapter gathered. A plain save under ZeRO-3 can be empty, depending on

@@ -213,7 +213,7 @@ peaks
 #
 # Sharding is one row of a launch config. `helpers.core.mapping.SETTINGS` holds the others as
 # data, and `python -m helpers.translate` reads it to turn an FSDP config into the DeepSpeed
-# one with the same settings (and back), with a warning and the nearest choice for every
+# one with the same settings (and back), with a warning and the nearest choice (one run here) for every
 # setting that has no exact counterpart. "Exact" is about what a setting asks for, not about
 # bit-identical training: NO_SHARD and ZeRO-0 ask for the same sharding (nothing) and still
 # train differently (section 3). <!-- fact: deepspeed.zero0_replicates -->
@@ -262,10 +262,10 @@ claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["s
 # * Fully sharded state falls with the number of ranks (a quarter at 4 ranks, checked above);
 #   NO_SHARD divides nothing, and ZeRO-2 keeps whole parameters.
 # * A ZeRO-1/2 rank holds its 1/N slice of the gradients plus the rest of the parameters that
-#   straddle its slice's edges, byte for byte; ZeRO-3 partitions each parameter and has no overhang.
+#   straddle its slice's edges, byte for byte; ZeRO-3 partitions each parameter (not measured here).
 # * FULL_SHARD and ZeRO-3 train bit for bit alike at every world size run here (2-step runs);
-#   ZeRO-0's losses part from NO_SHARD's, its gradient norm already at step 0 (where, we have
-#   not traced).
+#   ZeRO-0's losses part from NO_SHARD's (where, we have not traced; its reported norm, computed
+#   its own way, differs already at step 0).
 # * On a CPU the state was under half of each 2-rank run's peak here; the rest (the libraries, activations,
 #   transient copies) is not broken down here.
 #

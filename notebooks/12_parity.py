@@ -38,13 +38,13 @@ from helpers.nb.claims import claim
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps and families
 SHORT = 8 if SIZE == "quick" else 20  # steps of the clipping and accumulation runs
-TRACE = 3  # steps of the traced pairs and of each family
+TRACE = 3  # steps of the stalling pair's traces and of each family (the clipping pair traces SHORT)
 GPUS = nb.gpu_count()
 NPROC = nb.nproc()
-LR, LR_HIGH = 1e-5, 1e-4  # notebook 02's two rates: bf16 updates round away at LR; norms exceed 1 at LR_HIGH
+LR, LR_HIGH = 1e-5, 1e-4  # notebook 02's two rates: bf16 updates round away at LR; the clip acts at LR_HIGH
 ARGS = "--model tiny --micro-batch 8 --seq-len 32"
 os.environ.update(SHORT=str(SHORT), TRACE=str(TRACE), NPROC=str(NPROC), LR=str(LR), LR_HIGH=str(LR_HIGH), ARGS=ARGS)
-print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}, traces of {TRACE} steps, {NPROC} ranks "
+print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each family {TRACE} steps; {NPROC} ranks "
       f"({'GPU' if GPUS else 'CPU, gloo'})")
 
 # %% [markdown]
@@ -52,8 +52,9 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}, traces of {TRACE} steps, {NP
 #
 # The shipped pair (`launch_configs/fsdp/full_shard.yaml`, `launch_configs/deepspeed/zero3.yaml`)
 # trains bit for bit alike on this CPU (notebooks 00 and 02). It takes explicit choices. The first two **parity breakers** below
-# part the runs when left at their defaults (clipping on any model, ZeRO-3's linear on a model
-# with biased layers: both shown below), the third one family (section 5); the others are
+# part the runs when left at their defaults (clipping, when the gradient norm passes the limit:
+# shown on the tiny Llama; ZeRO-3's linear on a model whose biased layers take 3-D inputs: shown
+# on Qwen2), the third one family (section 5); the others are
 # conditions parity needs:
 #
 # * **Clipping.** DeepSpeed clips at 1.0 when `gradient_clipping` is absent; <!-- fact: deepspeed.gradient_clipping_default --> FSDP clips only
@@ -76,8 +77,8 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}, traces of {TRACE} steps, {NP
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides (bf16 on the wire;
 #   each side then keeps the reduced gradient in its own dtype, notebook 02's table, and `compare`
 #   below reads the fp32 copy the optimizer uses), <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
-#   bf16-rounded weights (notebook 02's dtype table).
-# * **The gradient norm's arithmetic**, which only clipping reads: FSDP's engine sums the
+#   bf16-rounded weights (notebook 02's bf16 weight curves coincide).
+# * **The gradient norm's arithmetic**, which only clipping reads in training: FSDP's engine sums the
 #   per-shard norms in ZeRO-3's order <!-- fact: deepspeed.zero3_grad_norm_fp64 --> (another order of the same sum can part in the last
 #   bit).
 # * **Gradient accumulation** agrees closely, not bitwise (section 4).
@@ -127,7 +128,7 @@ print(json.dumps(ds_json, indent=2))
 # %% [markdown]
 # We run it, an aligned FSDP job without clipping and one with the same clipping
 # (`--grad-clip 1.0`), each for `SHORT` steps at `LR_HIGH` (the tiny model's gradient norms are above
-# 1 from step 0 on at that rate, checked below).
+# 1 from step 0 on in these runs, checked below).
 # The first two also write tensor traces (`--trace-tensors`), for `helpers.compare` in section 3.
 # All three train at a constant rate: the JSON has no `scheduler` section, so DeepSpeed builds
 # none, <!-- fact: deepspeed.no_scheduler_section_constant_lr --> and `helpers.train` gives FSDP none.
@@ -173,8 +174,8 @@ else:
           largest_loss_gap=float(clip_gap.max()))
 
 # %% [markdown]
-# Step 0 is identical (the first forward pass does not depend on clipping); from step 1 the
-# runs part. The drift is small, because Adam divides out most of a uniform scaling of the
+# Step 0's loss is identical (the first forward pass does not depend on clipping); from step 1 the
+# runs part. The drift is small (the losses printed above), because Adam divides out most of a uniform scaling of the
 # gradient, <!-- fact: torch.adam_divides_out_grad_scale --> but it is still there at the last step: "identical" is gone. FSDP has no clipping in its config
 # (an Accelerate script calls `accelerator.clip_grad_norm_` itself); <!-- fact: accelerate.clipping_is_the_scripts --> `helpers.train`'s FSDP engine has its own clipping, with
 # DeepSpeed's formula, the global norm in fp64 over the local grad shards, summed in ZeRO-3's
@@ -273,7 +274,7 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 # which is bf16 unless the JSON says `"data_types": {"grad_accum_dtype": "fp32"}` <!-- fact: deepspeed.reduce_dtype_keys -->
 # (`compare` above reports the reduced gradient as the optimizer reads it, DeepSpeed's fp32
 # copy of that buffer; <!-- fact: deepspeed.zero3_fp32_grad_copy_for_step --> notebook 02's dtype table shows the bf16 buffer itself).
-# Rounding bf16 sums in another order changes a few last bits, and training carries them on.
+# Rounding bf16 sums in another order can change the last bits (our reading), and training carries them on.
 # `compare` agrees: every micro-batch's local gradient is the same on both sides at step 0;
 # the first tensors that differ are the reduced gradients of that step.
 #
@@ -363,8 +364,8 @@ claim("Llama, without biases, stays identical under the same default", llama_def
 # %% [markdown]
 # In the settings table, ZeRO-3's rank 0 holds more than a whole copy of the params: it keeps every
 # weight under `stage3_param_persistence_threshold` whole on every rank, next to its partition,
-# and in these tiny family models that is every weight (1.50 of a whole copy: half a partition
-# plus the whole). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
+# and in the tiny Llama shown that is every weight (1.50 of a whole copy: its partition, half a
+# copy on 2 ranks, plus the whole). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
 #
 # On this CPU every family swept is bit-identical under the shipped aligned pair for the steps it
 # ran (the table), every traced weight, gradient, update and module output included, except OLMo-2. Its rotary embedding returns cos and

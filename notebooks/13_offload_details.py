@@ -207,8 +207,8 @@ print(tables.location_table(RUNS).to_string())
 #   at its default ZeRO-3 would keep larger ones there too (above). <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu -->
 # * Like `offload_optimizer: cpu`, which keeps an fp32 copy of the gradient partition on the host
 #   between steps, <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads --> the NVMe run makes that copy at the end of backward: pieces of at
-#   least 1 MiB would go to swap files, the others wait in host memory for the step (here all of
-#   them: the check below). <!-- fact: deepspeed.nvme_small_grads_wait_in_host --> The swap buffers its optimizer steps through are not in
+#   least 1 MiB (per parameter) would go to swap files, the others wait in host memory for the
+#   step (here all of them, each parameter's piece being smaller: the check below). <!-- fact: deepspeed.nvme_small_grads_wait_in_host --> The swap buffers its optimizer steps through are not in
 #   these counts (section 2 measures them).
 
 # %%
@@ -309,7 +309,7 @@ if NVME_OK:
 #
 # Step time of each run against the same backend without offload: the median of the steps
 # after the warm-up steps the jobs' own medians leave out, and their quartiles. Each config
-# runs once, one after the other (on a machine other work may share), so a
+# ran once (the five of notebook 03 in its execution when reused, the NVMe run here), so a
 # ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
 # and claims no cost (notebook 07 interleaves repeated runs where it claims one).
 
@@ -335,7 +335,7 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # **What it means.** Without an accelerator, "copying to the host" is at most a copy within the
 # same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop --> and the optimizer runs on the same cores either way,
 # so there is no transfer to pay for. What differs is
-# the code each offload path runs (its own buffers and copies). The ratios come from one run each,
+# the code each offload path runs (its own buffers and copies; our reading). The ratios come from one run each,
 # so they cannot tell the offload path from the machine's drift, and we have not broken the steps
 # down. NVMe adds reads and writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past
 # the page cache. <!-- fact: deepspeed.aio_o_direct --> On a GPU (not run here) the picture changes: every step, offloaded

@@ -138,7 +138,7 @@ fig.tight_layout()
 # gathers every decoder block at once (`largest_all_gather_MB`) and, during forward and
 # backward, every rank holds all of them. <!-- fact: torch.fsdp2_root_takes_the_rest --> Not resharding
 # after forward saves the backward gathers and keeps the blocks gathered in between. <!-- fact: torch.fsdp2_reshard_after_forward --> We claim nothing from the allocator's peak between unit choices (one job each, and
-# identical jobs' peaks differ). The counts and sizes are exactly what the units predict:
+# identical jobs' peaks differ: `18_fit_details`). The counts and sizes are exactly what the units predict:
 
 # %%
 rows = utab.loc[list(wr)]
@@ -196,7 +196,7 @@ for name, r in pf.items():
     print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
           f"{by_op.sum():7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it in the backward nodes "
           f"above {hooks:6.1f} ms")
-claim("wherever a rank both computed and communicated for over 1 ms, a good part of that time (over a quarter) "
+claim("wherever rank 0 both computed and communicated for over 1 ms, a good part of that time (over a quarter) "
       "fell inside an autograd node that waits on the collective", all(v > 0.25 for v in hook_share.values()),
       share_in_those_nodes=hook_share)
 
@@ -243,7 +243,7 @@ if SIZE == "full":
     comp = {k: results.load_run(f"notebooks/runs/14_compile_{k}") for k in ("full_shard", "zero3")}
     for k, r in comp.items():
         t = r.metrics.step_time_s
-        print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s; "
+        print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s (steps 1-5); "
               f"final loss {r.summary['final_loss']:.4f}")
     f, d = (comp[k].summary["losses"] for k in ("full_shard", "zero3"))
     claim("compiled FSDP and DeepSpeed train alike (within 0.02 per step; uncompiled they are bit-identical, "
@@ -270,15 +270,14 @@ else:
 
 # %%
 print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
-print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers, peak "
-                            f"{utab.loc[k, 'peak_allocated_MB']:.1f} MB" for k in wr))
+print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers" for k in wr))
 
 # %% [markdown]
 # * Each FSDP unit choice's collectives are exactly what its units predict: smaller units mean
 #   more, smaller gathers; without policy units the root gathers every block at once; not
 #   resharding after forward saves the backward gathers.
-# * On gloo, wherever a rank both computed and communicated for over 1 ms, over a quarter of that
-#   time (on rank 0) was inside an autograd node that waits on the collective: not overlap.
+# * On gloo, wherever rank 0 both computed and communicated for over 1 ms, over a quarter of that
+#   time was inside an autograd node that waits on the collective: that part is not overlap.
 # * Compiled, both backends train and stay close; the first step carries the compile time, and
 #   only ZeRO-3's hooks hit dynamo's recompile limit (full size only).
 #

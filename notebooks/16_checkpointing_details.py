@@ -101,14 +101,14 @@ else:
 # %% [markdown]
 # ## 2 · Another world size
 #
-# DeepSpeed's ZeRO files resume only at the world size that wrote them. <!-- fact: deepspeed.zero_checkpoint_fixed_world_size -->
+# DeepSpeed's ZeRO files resume with their optimizer state only at the world size that wrote them. <!-- fact: deepspeed.zero_checkpoint_fixed_world_size -->
 # Its own answer is the **universal checkpoint**: `helpers.convert --to universal` runs
 # DeepSpeed's `ds_to_universal`, and `deepspeed/zero3_universal.yaml` sets
 # `"checkpoint": {"load_universal": true}`, so DeepSpeed's loader reads it. <!-- fact: deepspeed.universal_checkpoint_tools -->
 # The guide's `--to deepspeed` is not tied to the world size either (here 2 ranks to 1). FSDP's DCP files reshard as they
 # load. <!-- fact: torch.dcp_file_per_rank --> Below, DeepSpeed's step-`2K` checkpoint resumes on
-# **1 rank** both ways, and FSDP resumes its own step-`2K` DCP files (on this CPU the same
-# state: the DeepSpeed job matched FSDP's losses bit for bit above).
+# **1 rank** both ways, and FSDP resumes its own step-`2K` DCP files (on this CPU we expect the
+# same state: the DeepSpeed job matched FSDP's losses above, and the three routes are compared below).
 #
 # How the guide's import gets Adam's state into each ZeRO stage: the resuming job puts the
 # weights into the module before `deepspeed.initialize`, then sets the fp32 master and Adam's

@@ -27,7 +27,9 @@
 # bf16 instructions a CPU has.
 
 # %%
+import json
 import os
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -114,6 +116,12 @@ claim(f"on both backends each larger size processes fewer tokens per second ({' 
       all(all(x > y for x, y in zip(v, v[1:])) for v in toks.values()), tokens_per_s=toks)
 claim(f"and uses the core better: MFU is higher for every larger size than for tiny ({', '.join(SIZES[1:])})",
       all(min(v[1:]) > v[0] for v in mfu.values()), mfu_by_size=mfu)
+jobs = [json.loads((Path(r) / "summary.json").read_text()) for r in size.run]
+claim("every job trained the plain fp32 pair (no mixed precision, fp32 weights in forward)"
+      + ("" if GPUS else " and counted MFU against a peak it measured with an fp32 matmul"),
+      all(j["mixed_precision"] == "no" and j["dtypes"]["forward_weight"] == "fp32"
+          and (GPUS or "fp32 matmul" in j["peak_flops_source"]) for j in jobs),
+      peak_sources=sorted({j["peak_flops_source"].split(",")[0] for j in jobs}))
 rising = all(v == sorted(v) for v in mfu.values())
 print(f"MFU {'rises' if rising else 'does not rise'} at every step up in size here ({' -> '.join(SIZES)}): {mfu}")
 print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not a comparison of the backends):",
@@ -185,10 +193,10 @@ if not GPUS:
 #
 # ## Recap
 #
-# * Bigger models process fewer tokens per second, and the ones larger than `tiny` use the core
-#   better (higher MFU); fixed costs per op are our reading of why.
-# * Ranks beyond the cores share them; the ratios above are one short job each, so no speed
-#   conclusion is drawn from them.
+# * Here, bigger models processed fewer tokens per second, and the ones larger than `tiny` used
+#   the core better (higher MFU); fixed costs per op are our reading of why.
+# * Ranks beyond the cores share them (our reading); the ratios above are one short job each, so
+#   no speed conclusion is drawn from them.
 # * On this CPU the check above says which dtype is faster (it depends on the instruction set,
 #   not checked here); each job counts
 #   MFU against a peak in its own dtype.

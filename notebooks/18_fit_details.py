@@ -105,8 +105,9 @@ os.environ["ROWS"] = " ".join(f"{key}:{cfg}:{best}" for key, (_, _, cfg, best) i
 # %% [markdown]
 # The walk of notebook 08 (`helpers.nb.walk`): each row starts at its predicted batch and goes one
 # sequence at a time until a batch that fits sits next to one that does not. With `--reuse 08`, a
-# job notebook 08's walk already ran here (same flags, ranks and code) is copied, and its line
-# says `reused`.
+# job that notebook 08's walk completed here (same flags, ranks and code) is copied, and its line
+# says `reused`; a job 08 saw stopped by the budget runs again, and so does DeepSpeed's row (its
+# config lives in this notebook's own folder).
 
 # %% language="bash"
 # python -m helpers.nb.walk --prefix 18 --nproc $NPROC --budget $BUDGET $ROWS --reuse 08 -- $ARGS
@@ -147,7 +148,7 @@ if not GPUS:
           fsdp_predicted_minus_runs=gap[~ds_rows].tolist(), deepspeed=gap[ds_rows].tolist())
 
 # %% [markdown]
-# Why: the runs measured what autograd keeps per sequence (`activation_bytes_per_sample`, exact:
+# Why: the runs measured what autograd keeps per sequence (`activation_bytes_per_sample`, counted exactly:
 # the bytes of every tensor saved for backward, counted once), at each row's first batch:
 
 # %%
@@ -368,8 +369,8 @@ claim("every row beyond 10% on its worst rank has more than one rank and was run
 # clones its input (`aten::clone` under `c10d::_reduce_scatter_base_`) <!-- fact: torch.gloo_reduce_scatter_clones -->, and some ranks still
 # held the clones of earlier units when the root unit reduced while others had freed them;
 # under ZeRO-0 a rank's extra MiB or two came and went between identical runs, partly bytes the
-# listing cannot attribute to a live tensor. The estimator counts the one reduce-scatter copy
-# every FSDP rank holds.
+# listing cannot attribute to a live tensor. The estimator counts, at its end-of-backward moment,
+# the one reduce-scatter copy every FSDP rank holds.
 #
 # ## Try it
 #
@@ -400,7 +401,8 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   under-predicted, their median error further from zero than the FSDP rows'.
 # * Over the stored grid, nine rows in ten or more were within 10% on their worst rank and the
 #   median row within 5% (scored without their bucket, the ZeRO-1/2/3 rows erred more than the
-#   others); every row beyond 10% had more than one rank, was within 10% when run again, and its
+#   others, their median printed above: on small models the bucket, which the estimator counts,
+#   is most of their peak); every row beyond 10% had more than one rank, was within 10% when run again, and its
 #   peak moved between the two runs by more than its excess.
 #
 # Back to the path: `09_finetuning`.

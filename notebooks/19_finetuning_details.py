@@ -26,7 +26,9 @@
 # and with `lora_qv.json` (`q_proj`, `v_proj`). Both are rank-8 LoRA.
 
 # %%
+import json
 import os
+from pathlib import Path
 
 from helpers import facts, nb
 from helpers.compare import compare, differing
@@ -59,7 +61,10 @@ qv = compare("notebooks/runs/19_lora_qv_full_shard", "notebooks/runs/19_lora_qv_
 print("o_proj/down_proj:", same.report(), "\nq_proj/v_proj:", qv.report(), sep="\n")
 layers = model_config(resolve_model(MODEL)).num_hidden_layers
 norms = qv.values["grad_norm"] if qv.values else (0.0, 0.0)
-print(f"\nq/v pair at step {qv.first_step}: losses equal, gradient norms {norms[0]:.7f} vs {norms[1]:.7f} "
+loss = [json.loads(Path(f"notebooks/runs/19_lora_qv_{b}/summary.json").read_text())["losses"][qv.first_step or 0]
+        for b in ("full_shard", "zero3")]
+print(f"\nq/v pair at step {qv.first_step}: losses {'equal' if loss[0] == loss[1] else 'differ'} ({loss[0]} vs "
+      f"{loss[1]}), gradient norms {norms[0]:.7f} vs {norms[1]:.7f} "
       f"(relative difference {abs(norms[0] - norms[1]) / norms[0]:.1e})")
 parted = differing(qv.a, qv.b, 1, "grad_local")
 for i in range(layers):
@@ -79,14 +84,14 @@ if nb.bitwise_parity_expected(N):
           parted=len(parted), layers=layers)
 
 # %% [markdown]
-# **What it means.** At step 0 the adapter's B matrix is zero, so what the adapter adds to the
+# **What it means.** At step 0 the adapter's B matrix is zero (PEFT's default start; step 0 is bit for bit above), so what the adapter adds to the
 # gradient of its input is exactly zero, and adding zero in any order changes nothing. From step 1
 # it is not zero. `q_proj`, `k_proj` and `v_proj` read the same input, so autograd adds up several
 # bf16 gradients for it. ZeRO-3 passes every module's inputs through an autograd function of its
 # own <!-- fact: deepspeed.zero3_module_io_autograd_functions -->. Our reading (the order of the
 # sums is not traced here): that groups `q_proj`'s two
 # gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units,
-# adds all of them in one buffer. In bf16, a sum taken in another order rounds differently. That sum
+# adds all of them in one buffer (also our reading). In bf16, a sum taken in another order rounds differently. That sum
 # is the gradient flowing into the layers below, which is why the last layer's adapters still agree
 # and every layer under it parts. An adapter whose input no other module reads, such as `o_proj` or
 # `down_proj`, gets just two gradients there (base and adapter), and a sum of two is the same in
@@ -102,7 +107,7 @@ facts.show("deepspeed.zero3_module_io_autograd_functions")
 #   bit for bit.
 # - With the adapter on `q_proj`/`v_proj` it parts from step 1, by a small amount (printed above),
 #   in the local gradients of every layer but the last.
-# - The layer pattern fits ZeRO-3's per-module autograd functions changing the order of a bf16 sum
+# - Our reading: the layer pattern fits ZeRO-3's per-module autograd functions changing the order of a bf16 sum
 #   over the gradients of an input that several modules read.
 #
 # That ends the guide: the core path is `00`-`09`, the deep dives `10`-`14` and `16`-`19`.

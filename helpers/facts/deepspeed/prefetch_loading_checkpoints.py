@@ -56,7 +56,8 @@ def _per_module():
 @fact("deepspeed.zero3_bucket_gathers_once",
       "With a prefetch bucket (stage3_prefetch_bucket_size, default 5e7 elements) and stage3_max_live_parameters "
       "both larger than the model, ZeRO-3 fetches the whole model in its first gather of a step (one all-gather, "
-      "every tensor merged) and keeps it until each parameter's last use in backward.",
+      "every tensor merged) and keeps it until each parameter's last use in backward, from its second step on (the "
+      "first step records the modules' order and gathers module by module: gathers_step1).",
       "deepspeed", V, "runtime/zero/partitioned_param_coordinator.py: _fetch_sub_module_impl (prefetch from the "
       "recorded trace), __params_to_release; runtime/zero/config.py: prefetch_bucket_size", runs=True)
 def _bucket_once():

@@ -216,7 +216,7 @@ def apply_deepspeed(model: torch.nn.Module, job: JobConfig, device: torch.device
         engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if job.train.compile:
         engine.compile()  # torch.compile of the wrapped module (ZeRO-3's gathers stay out of dynamo; its other
-        # per-module hooks are traced, and recompile: notebook 04)
+        # per-module hooks are traced, and recompile: notebook 14)
     out = DeepSpeedEngine(engine, optimizer)
     out.activation_checkpointing = checkpointing
     return out

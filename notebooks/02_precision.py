@@ -166,7 +166,7 @@ measured = {"fsdp_low": low.summary["dtypes"], "fsdp_mixed": mixed.summary["dtyp
 print(tables.dtype_table(measured).to_string())
 
 # %% [markdown]
-# **Reading it.** For the probed weight, the write-up's table holds for the optimizer's weights and Adam's states:
+# **Reading it.** For the probed weight, the write-up's table holds for the optimizer's weights and states:
 # bf16 in the low-precision mode, fp32 in the other two. <!-- fact: torch.fsdp2_mixed_16_bytes --> <!-- fact: deepspeed.bf16_default_dtypes -->
 # It differs on one row: DeepSpeed's stored shard is **bf16**, and the fp32 copy is a separate
 # master. <!-- fact: deepspeed.zero3_bf16_dtypes --> Both aligned modes reduce gradients in
@@ -186,7 +186,7 @@ claim("the one difference in what is stored: DeepSpeed's shard is bf16 where the
 # %% [markdown]
 # ## 4 · How many weights a step really changes
 #
-# `--track-updates` records, per step, the share of parameter elements that changed: in the tensor
+# `--track-updates` records, per step, the share of elements that changed: in the tensor
 # the optimizer updates (`updated_fraction`) and after rounding to bf16, the weights the forward
 # pass uses (`updated_fraction_compute`). The embedding rows of tokens the data never uses get a
 # zero gradient and, with weight decay 0, never change. <!-- fact: torch.embedding_unused_rows_unchanged -->
@@ -306,7 +306,7 @@ print(f"  aligned FSDP == DeepSpeed bit for bit: {mixed.summary['losses'] == ds.
 # %% [markdown]
 # * Here, at a small rate, bf16-only FSDP trained far more slowly than aligned FSDP and DeepSpeed (our
 #   reading: bf16 rounds away updates under half its rounding step).
-# * Larger rates move the slow run (the drops above), but are other training runs. Mixed precision
+# * Larger rates move the slow run (the drops above), but are other runs. Mixed precision
 #   (`mixed_precision: bf16`, fp32 shards) removes the stall for twice the model-state bytes.
 # * The live dtypes confirm the write-up's table for the optimizer, differ on DeepSpeed's stored
 #   shard (bf16), and add bf16 gradient reductions.

@@ -227,13 +227,13 @@ claim("beside the state and the activations, the estimator counts more working b
       predicted={"zero3": PREDICTED[DS], "full_shard": PREDICTED[FS]})
 
 # %% [markdown]
-# Beside the state the two hold different things too. FSDP makes its gradients again
+# Beside the state the two hold different things. FSDP makes its gradients again
 # as backward runs (the last step freed them) <!-- fact: torch.zero_grad_set_to_none --> and
 # holds the unit it computes plus the next. ZeRO-3 keeps its gradient partition
 # <!-- fact: deepspeed.zero3_grad_partition_kept -->, its bucket and, across ranks, the
 # parameters it gathered in forward: DeepSpeed does not release a parameter that the step uses
 # again within `stage3_max_reuse_distance` elements (default 1e9). A smaller distance frees
-# them sooner, at the price of gathering them twice.
+# them sooner, at the price of gathering twice.
 #
 # ## Offload on one RAM, and DeepSpeed's default bucket
 #

@@ -136,7 +136,7 @@ fig.tight_layout()
 # **What it means.** The curves lie on top of each other and the difference is zero at
 # every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
 # (bf16 module, fp32 master partitions) do the same arithmetic (our reading of the identical
-# losses; the deep dive `12_parity` traces every tensor). <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
+# losses; the deep dive `12_parity` traces the tensors of pairs that part). <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 # The cell below checks
 # this, so the claim fails loudly if it ever stops being true. (Measured on the CPU with
 # gloo. On a GPU these jobs run without `--deterministic`, so the cell checks that the losses
@@ -144,7 +144,7 @@ fig.tight_layout()
 # (beyond 2, nccl may sum in another order). Written for, not yet run on, GPUs:
 # `nb.bitwise_parity_expected`.) <!-- fact: torch.nccl_sum_order -->
 #
-# A one-step bump in the loss curves? The deep dive `10_launching_details` traces it to the learning rate.
+# A one-step bump in the loss curves? The deep dive `10_launching_details` ties it to the learning rate, in its runs.
 
 # %%
 facts.show("accelerate.fsdp2_bf16_fp32_shards", "deepspeed.zero3_bf16_dtypes")
@@ -193,7 +193,7 @@ for r in (fsdp, ds):
 #   backends (notebook 07 compares them with repeated steps and says when a difference is
 #   above the noise). Nor is MFU, which divides by each job's own measured peak (each
 #   job's `peak` line above).
-# * More in the deep dive `10_launching_details`: a bump in the loss, and the learning rate behind it.
+# * More in the deep dive `10_launching_details`: a bump in the loss, and the learning rate it comes with.
 #
 # Next: `01_sharding` — what each rank actually holds under each FSDP strategy and ZeRO stage.
 

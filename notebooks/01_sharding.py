@@ -37,7 +37,8 @@ from helpers.nb import plots, results
 from helpers.nb.claims import claim
 
 SIZE = nb.setup()
-# every mode at 2 ranks; the hybrids at 4 (2 replicas x 2 shards), at full size only: a quick run (CI's smoke
+# every mode at 2 ranks; the hybrids at 4 (HYBRID_SHARD: 2 replicas x 2 shards; hpZ: ZeRO-3 over 4 plus a
+# secondary bf16 shard over 2), at full size only: a quick run (CI's smoke
 # test) stops at 2 ranks, as a 2-GPU node does. Two steps: memory needs no long run.
 WORLDS = nb.world_sizes([2, 4] if SIZE == "full" else [2])  # GPU node: up to its GPUs (one per nccl rank)
 assert 2 in WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"

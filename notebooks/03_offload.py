@@ -119,7 +119,7 @@ axes[0].figure.tight_layout()
 #   next to the compute, and those copies stay on the device. <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.zero3_persistent_small_params -->
 #
 # Here the checks below read each backend's bookkeeping: they catch a config key that did not take
-# effect, not bytes crossing a bus.
+# effect, not bytes crossing a bus. (The printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
 
 # %%
 import json

@@ -162,7 +162,7 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this core's (the med
 # **What it means.** The two backends do the same work. Whether one was faster here is the verdict
 # above: a difference is called only when every run of one is beyond every run of the other and
 # their steps' spreads part; the write-up's two figures (one number each, no spread) differ by 2%.
-# Each job measures its peak again, and the four can differ (printed above), so MFU moves with the
+# Each job measures its peak again, and the four can differ (by how much here: printed above), so MFU can move with the
 # measured peak as well as with tokens/s: compare the backends by tokens/s. "tokens/s/device" here
 # is per rank; the ranks share one CPU. The absolute numbers are not comparable with the
 # write-up's: the last line puts the peaks, the achieved FLOP/s and the FLOPs per token side by side.

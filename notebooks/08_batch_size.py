@@ -67,11 +67,11 @@ print(f"size={SIZE} (the same jobs at both sizes): model {MODEL}, seq {SEQ}, bud
 # FSDP's three sharding strategies stand for the ZeRO stages they match (notebook 01 shows the
 # bytes): NO_SHARD = ZeRO-0 (DDP), SHARD_GRAD_OP ~ ZeRO-2, FULL_SHARD = ZeRO-3. <!-- fact: torch.fsdp_sharding_strategies -->
 # DeepSpeed's ZeRO-3 runs from the shipped `zero3.json` with one key changed,
-# `reduce_bucket_size` set to `BUCKET` elements (why: the last section). The write-up's ZeRO-3 +
+# `reduce_bucket_size` set to `BUCKET` elements (why: the bucket section). The write-up's ZeRO-3 +
 # CPU offload row is FULL_SHARD with `fsdp_offload_params` (`full_shard_offload.yaml`): on a GPU
 # its states leave the device <!-- fact: accelerate.fsdp2_offload_params_policy --> <!-- fact: torch.fsdp2_cpu_offload_all -->;
-# this machine has one RAM, so here it shows what offload cannot do. First, what each method
-# keeps at rest, next to the budget:
+# this machine has one RAM, so here it shows what offload cannot do. First, the estimator's
+# state at rest per method (for ZeRO-3 it misses part of its small parameters: measured below):
 
 # %%
 CFG = RUNS / "08_configs"
@@ -147,7 +147,7 @@ print(TABLE.round(1).to_string())
 
 # %% [markdown]
 # `largest (runs)`: the largest batch that fit below the smallest that did not. The measured
-# peak moves between identical jobs (the deep dive prints by how much), so read it as
+# peak moves between identical jobs (`18_fit_details` prints it), so read it as
 # this run's answer, not a constant.
 
 # %%
@@ -233,7 +233,7 @@ claim("beside the state and the activations, the estimator counts more working b
 # <!-- fact: deepspeed.zero3_grad_partition_kept -->, its bucket and, across ranks, the
 # parameters it gathered in forward: DeepSpeed does not release a parameter that the step uses
 # again within `stage3_max_reuse_distance` elements (default 1e9). A smaller distance frees
-# them sooner, at the price of gathering twice.
+# them sooner.
 #
 # ## Offload on one RAM, and DeepSpeed's default bucket
 #
@@ -242,7 +242,7 @@ claim("beside the state and the activations, the estimator counts more working b
 # GPU. Here the offloaded states stay in the same RAM, counted by `peak_tensor_bytes`
 # <!-- fact: torch.cpu_offload_on_cpu_is_noop -->.
 #
-# The DeepSpeed row above changed one key. The shipped ZeRO-1/2/3 configs keep DeepSpeed's
+# The shipped ZeRO-1/2/3 configs keep DeepSpeed's
 # default `reduce_bucket_size` (5e8 elements): one gradient bucket per rank, allocated whole
 # whatever the model's size. <!-- fact: deepspeed.zero_bucket_defaults --> <!-- fact: deepspeed.zero3_bucket_allocated_whole -->
 # One run: the shipped ZeRO-3 at micro-batch 1.

@@ -198,8 +198,8 @@ claim("ZeRO-3 peaks above ZeRO-2 though it holds half the frozen base: the gap p
 # ZeRO-3 keeps parameters of at most that many elements whole on every rank
 # <!-- fact: deepspeed.zero3_persistent_keep_partition -->.
 #
-# Each checkpoint above holds the guide's `adapter/`, gathered in fp32, and `adapter_naive/`,
-# what a plain `save_pretrained` on rank 0 writes (imitated: PEFT's state dict of the module as
+# Each checkpoint holds the guide's `adapter/`, gathered in fp32, and `adapter_naive/`,
+# what a plain `save_pretrained` on rank 0 writes (empty under FSDP, where it fails; imitated: PEFT's state dict of the module as
 # rank 0 holds it, handed to safetensors). `zero3.yaml` keeps DeepSpeed's default threshold
 # (100,000 elements). One more job runs `zero3_no_prefetch.yaml`: threshold 0 (of its other
 # settings none changes what is partitioned).

@@ -90,7 +90,7 @@ for r in (fsdp, ds):
 slow = results.load_run("notebooks/runs/10_fsdp_lr1e-3")
 claim("the default runs kept lr 3e-3 at every step (no warm-up), the slower one 1e-3",
       all((r.metrics.lr == 3e-3).all() for r in (fsdp, ds)) and (slow.metrics.lr == 1e-3).all(),
-      lrs={r.label: sorted(set(r.metrics.lr)) for r in (fsdp, ds, slow)})
+      lrs={name: sorted(set(r.metrics.lr)) for name, r in (("FSDP", fsdp), ("DeepSpeed", ds), ("FSDP slow", slow))})
 plots.run_curves([fsdp, slow], "loss", labels=["FSDP, lr 3e-3", "FSDP, lr 1e-3"], title="loss per step");
 rise = slow.metrics.loss.diff().max()
 claim("at lr 1e-3 no step raises the loss by more than 0.1", rise < 0.1, largest_rise=rise)

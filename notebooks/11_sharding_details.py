@@ -71,6 +71,7 @@ boundary = mem["mode"].isin(["zero1", "zero2"]) & (mem.category == "grads")
 # The fully sharded modes (`full_shard`, `zero3`) divide (nearly) everything by the number of
 # ranks (ZeRO-3 keeps its smallest parameters whole <!-- fact: deepspeed.zero3_persistent_small_params -->);
 # ZeRO-2 keeps whole parameters <!-- fact: deepspeed.zero2_whole_params -->; `no_shard` divides nothing.
+# (The printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
 
 # %%
 facts.show("deepspeed.zero3_persistent_small_params")

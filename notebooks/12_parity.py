@@ -364,7 +364,7 @@ claim("Llama, without biases, stays identical under the same default", llama_def
 # %% [markdown]
 # In the settings table, ZeRO-3's rank 0 holds more than a whole copy of the params: it keeps every
 # weight under `stage3_param_persistence_threshold` whole on every rank, next to its partition,
-# and in the tiny Llama shown that is every weight (1.50 of a whole copy: its partition, half a
+# and in the family sweep's llama (hidden 64, the table above) that is every weight (1.50 of a whole copy: its partition, half a
 # copy on 2 ranks, plus the whole). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
 #
 # On this CPU every family swept is bit-identical under the shipped aligned pair for the steps it

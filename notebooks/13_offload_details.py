@@ -63,7 +63,7 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # builds the model, then reads them back into a host buffer for good, because `offload_param.max_in_cpu` (1e9 elements by default; our config
 # leaves it) lets every partition of a model this size live in host memory. <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu --> To keep parameters
 # on NVMe, set it below the partitions' total. The two limits, and both models' sizes next to them
-# (bf16 partitions of 1/`NPROC`, built on the meta device: no weights):
+# (bf16 partitions of 1/`NPROC`, built on the meta device: no weights). (The printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
 
 # %%
 import json

@@ -176,7 +176,7 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # ## 2 · Computing and communicating at the same time
 #
 # The time a rank was both computing and communicating (`traces.overlap_ms`), and the compute
-# operator it fell in (`traces.overlap_by_op`). On gloo, do not read it as overlap: FSDP2
+# operator it fell in (`traces.overlap_by_op`). On gloo, do not read all of it as overlap: FSDP2
 # reduces gradients from the backward of an autograd node, `RegisterPostBackwardFunction`, <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->
 # and ZeRO-3 gathers for backward from another, `PreBackwardFunctionForModule`; <!-- fact: deepspeed.zero3_backward_gather_in_autograd_node -->
 # the compute lane counts such a node for as long as the training thread waits in it, and

@@ -186,7 +186,7 @@ if not GPUS:
 
 # %% [markdown]
 # **What it means.** On this 2-core machine, 4 ranks are two ranks per core on average (printed
-# above), so ranks share a core's peak. How much slower that makes a rank is not measured here
+# above), so ranks share a core's peak. How much of the per-rank ratio above is that sharing is not measured here
 # (our reading: it depends on how long a rank waits in collectives, leaving the core to the
 # other); the ratios above come from one short job each, so no speed conclusion is drawn from
 # them. On a GPU node every rank has its own device.
@@ -198,8 +198,8 @@ if not GPUS:
 # * Ranks beyond the cores share them (our reading); the ratios above are one short job each, so
 #   no speed conclusion is drawn from them.
 # * On this CPU the check above says which dtype is faster (it depends on the instruction set,
-#   not checked here); each job counts
-#   MFU against a peak in its own dtype.
+#   not checked here); each job of the size sweep counted MFU against a peak in its own dtype
+#   (checked above).
 #
 # Back to the path: `08_batch_size`.
 

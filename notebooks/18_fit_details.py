@@ -269,6 +269,8 @@ claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks
 #   apart (the stored grid below shows it rank by rank); the estimator gives them one value;
 # * **gloo's and nccl's own buffers** (communication libraries allocate outside torch's tensors;
 #   not checked here) <!-- fact: torch.nccl_buffers_outside_allocator -->;
+# * **the partitions ZeRO-3 keeps next to its whole small parameters** (notebook 08 measures
+#   them: its ZeRO-3 `params` are the bf16 shard plus every small parameter whole);
 # * **DeepSpeed's padding** (ZeRO-3: up to world size - 1 elements per parameter, on the last
 #   rank) <!-- fact: deepspeed.zero3_padding_last_rank -->, and activations of
 #   non-Llama families, which it counts as Llama-style blocks (an approximation);

@@ -118,8 +118,9 @@ def summary(name):
 
 
 WALK = walk.read("18", ROWS)  # {row: {micro-batch: summary}}
-PLAN = {f"{key}_b{b}": (*ROWS[key][:3], b, ROWS[key][3]) for key, runs in WALK.items() for b in runs}
-RESULT = {name: summary(name) for name in PLAN}  # run name: summary; PLAN: (label, checkpointing, config, b, predicted)
+PLAN = {f"{key}_b{b}": (*ROWS[key][:3], b, ROWS[key][3])  # run name: (label, checkpointing, config, b, predicted)
+        for key, runs in WALK.items() for b in runs}
+RESULT = {f"{key}_b{b}": s for key, runs in WALK.items() for b, s in runs.items()}  # run name: its summary
 claim("every run either completed within the budget or was stopped by it (none failed another way)",
       not walk.failures(WALK), failed_otherwise=walk.failures(WALK))
 

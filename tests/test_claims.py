@@ -51,3 +51,22 @@ def test_timing_runs_calls_no_verdict_when_one_run_drifted():
     assert slow.verdict == "slower"
     with pytest.raises(ValueError, match="needs two or more of each"):
         timing_runs("a", [drifted], "b", [b1, b2])
+
+
+def test_ran_reads_summary_and_config_and_fails_on_a_changed_flag(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from helpers.nb.claims import ran
+
+    def run(name, steps):
+        return SimpleNamespace(name=name, summary={"backend": "fsdp", "steps": steps, "world_size": 2},
+                               config={"train": {"model": "tiny", "lr": 3e-3}, "fsdp": {"sharding": "FULL_SHARD"}})
+
+    ran("both train tiny for 40 steps on 2 ranks", [run("a", 40), run("b", 40)], model="tiny", steps=40,
+        world_size=2, sharding="FULL_SHARD")
+    out = capsys.readouterr().out
+    assert out.startswith("✓ both train tiny") and "steps=40" in out and "sharding=FULL_SHARD" in out
+    with pytest.raises(ClaimFailed, match=r"steps=\{a: 40, b: 12\}"):
+        ran("both train for 40 steps", [run("a", 40), run("b", 12)], steps=40)
+    with pytest.raises(KeyError, match="'seq' is in neither"):
+        ran("x", [run("a", 40)], seq=64)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.job import reuse
 from helpers.nb import freshness
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,7 +53,7 @@ def test_pieces_cut_mid_word_become_whole_lines_in_order():
 def tree(tmp_path_factory):
     """A copy of the parts of the repository the hash reads, with one notebook finished on it."""
     root = tmp_path_factory.mktemp("tree")
-    for top in freshness.INPUTS:
+    for top in reuse.CODE:
         shutil.copytree(REPO / top, root / top, ignore=shutil.ignore_patterns("__pycache__"))
     (root / "notebooks").mkdir()
     for name in ("00_launching.py", "00_launching.ipynb"):

@@ -12,6 +12,9 @@ and ``make notebooks``) fails instead of the notebook saying something its own o
 Timings on a shared CPU are noisy. ``timing`` compares two sets of step times (the steps of a run, or
 repeated runs) and says "faster" or "slower" only when their spreads do not overlap; otherwise "within
 this machine's noise". A notebook claims a speed difference only through it.
+
+``ran`` checks a sentence that describes the jobs themselves (model, steps, ranks, flags) against what each
+run directory recorded.
 """
 
 from __future__ import annotations
@@ -40,6 +43,35 @@ def claim(sentence: str, holds: bool, **numbers) -> None:
     if not holds:
         raise ClaimFailed(f"this sentence no longer holds: {sentence} [{nums}]")
     print(f"✓ {sentence}" + (f"  [{nums}]" if nums else ""))
+
+
+_MISSING = object()
+
+
+def _setting(run, key: str):
+    """A run's value for ``key``: its summary, then its config (top level, ``train``, its backend's section)."""
+    sources = (run.summary, run.config, run.config.get("train") or {}, run.config.get(run.summary["backend"]) or {})
+    for source in sources:
+        if key in source:
+            return source[key]
+    return _MISSING
+
+
+def ran(sentence: str, runs, **expected) -> None:
+    """Claim that every run of ``runs`` ran with ``expected`` (``steps=40, model="tiny"``), read from each
+    run's ``summary.json`` and ``config.json``, so a sentence that describes the jobs ("the two jobs train the
+    tiny model for 40 steps on 2 ranks") fails when a launch cell changes and the prose does not."""
+    runs = list(runs)
+    if not runs or not expected:
+        raise ValueError("ran: give at least one run and one key=value to check")
+    seen = {}
+    for key in expected:
+        got = [_setting(r, key) for r in runs]
+        missing = [r.name for r, g in zip(runs, got, strict=True) if g is _MISSING]
+        if missing:
+            raise KeyError(f"ran: key {key!r} is in neither summary.json nor config.json of {', '.join(missing)}")
+        seen[key] = got[0] if len(set(map(repr, got))) == 1 else dict(zip((r.name for r in runs), got, strict=True))
+    claim(sentence, all(_setting(r, k) == v for r in runs for k, v in expected.items()), runs=len(runs), **seen)
 
 
 @dataclass

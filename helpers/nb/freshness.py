@@ -19,18 +19,10 @@ import json
 import sys
 from pathlib import Path
 
+from helpers.job.reuse import code_files
+
 REPO = Path(__file__).resolve().parent.parent.parent
-INPUTS = ("helpers", "launch_configs")
 KEY = "guide"  # notebook metadata: {"guide": {"ran_on": HASH}}
-
-
-def _tree_files(root: Path) -> list[Path]:
-    files = []
-    for top in INPUTS:
-        for p in (root / top).rglob("*"):
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
-                files.append(p)
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def _code_cells(py: Path) -> list[str]:
@@ -46,7 +38,7 @@ def tree_hash(py: Path) -> str:
     h = hashlib.sha256()
     for src in _code_cells(py):
         h.update(b"cell\0" + src.encode() + b"\0")
-    for p in _tree_files(root):
+    for p in code_files(root):
         h.update(b"file\0" + p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 

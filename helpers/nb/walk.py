@@ -25,6 +25,12 @@ from pathlib import Path
 RUNS = Path("notebooks/runs")
 
 
+def _row_dirs(prefix: str, key: str) -> dict[int, Path]:
+    """{micro-batch: run directory} of one row of a walk (``RUNS/PREFIX_KEY_bB``)."""
+    return {int(d.name.rsplit("_b", 1)[1]): d for d in RUNS.glob(f"{prefix}_{key}_b*")
+            if re.fullmatch(rf"{re.escape(prefix)}_{re.escape(key)}_b\d+", d.name)}
+
+
 def _job(out: Path, config: str, batch: int, a: argparse.Namespace, extra: list[str]) -> bool:
     """One job into ``out``; prints its last line; True when it completed (fit the budget)."""
     shutil.rmtree(out, ignore_errors=True)
@@ -51,9 +57,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     for row in a.rows:
         key, config, start = row.split(":")
-        for old in RUNS.glob(f"{a.prefix}_{key}_b*"):  # this row's runs from an earlier execution
-            if re.fullmatch(rf"{a.prefix}_{key}_b\d+", old.name):
-                shutil.rmtree(old)
+        for old in _row_dirs(a.prefix, key).values():  # this row's runs from an earlier execution
+            shutil.rmtree(old)
         b = max(1, int(start))
         if _job(RUNS / f"{a.prefix}_{key}_b{b}", config, b, a, extra):
             while _job(RUNS / f"{a.prefix}_{key}_b{b + 1}", config, b + 1, a, extra):
@@ -66,11 +71,8 @@ def main(argv=None) -> int:
 
 def read(prefix: str, keys) -> dict[str, dict[int, dict]]:
     """{key: {micro-batch: summary.json}} of a walk's runs, from the run directories."""
-    out = {}
-    for key in keys:
-        out[key] = {int(d.name.rsplit("_b", 1)[1]): json.loads((d / "summary.json").read_text())
-                    for d in RUNS.glob(f"{prefix}_{key}_b*") if re.fullmatch(rf"{prefix}_{key}_b\d+", d.name)}
-    return out
+    return {key: {b: json.loads((d / "summary.json").read_text()) for b, d in _row_dirs(prefix, key).items()}
+            for key in keys}
 
 
 def largest(runs: dict[int, dict]) -> int:

@@ -160,7 +160,7 @@ def _persistent():
     persist = {n: p.ds_persist for n, p in e.module.named_parameters()}
     default = field_default(ZERO, "param_persistence_threshold")
     ok = default == 100000 and persist["0.bias"] and not persist["0.weight"]
-    return ok, {"default threshold": default, "bias(16) persists": persist["0.bias"],
+    return ok, {"default threshold": default, "test threshold": 16, "bias(16) persists": persist["0.bias"],
                 "weight(256) persists": persist["0.weight"]}
 
 

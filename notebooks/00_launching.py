@@ -32,11 +32,15 @@
 
 # %%
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
 
 from helpers import facts, nb
 from helpers.nb import plots, results
-from helpers.nb.claims import claim
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 12 if SIZE == "quick" else 40
@@ -93,7 +97,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 # `WORLD_SIZE` from the environment. <!-- fact: torch.torchrun_sets_rank_env --> `--standalone` picks a free local port, so two
 # notebooks can launch at once. <!-- fact: torch.standalone_free_port --> With no GPU visible the job uses gloo on the CPU (and
 # tells DeepSpeed `DS_ACCELERATOR=cpu` <!-- fact: deepspeed.ds_accelerator_env -->); with GPUs it uses nccl on CUDA. Nothing in the
-# command changes. Only rank 0 prints.
+# command changes.
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
@@ -111,16 +115,36 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 #
 # ## What a run directory holds
 #
-# Everything below is read from the files, never from the printed output. (The
-# `updated_fraction` columns stay empty unless a job is run with `--track-updates`: notebook
-# 02 uses them.)
+# Everything below is read from the files, never from the printed output.
 
 # %%
 fsdp, ds = results.load_runs("notebooks/runs/00_fsdp", "notebooks/runs/00_deepspeed")
-print(sorted(p.name for p in fsdp.path.iterdir()))
+ran(f"both jobs trained the tiny model for {STEPS} steps on {NPROC} ranks ({'nccl' if GPUS else 'gloo on the CPU'}), "
+    "bf16, without --deterministic", [fsdp, ds], model="tiny", steps=STEPS, world_size=NPROC, mixed_precision="bf16",
+    deterministic=False,
+    **({"dist_backend": "nccl"} if GPUS else {"dist_backend": "gloo", "device": "cpu"}))
+files = {r.name: sorted(p.name for p in r.path.iterdir()) for r in (fsdp, ds)}
+claim("each run directory holds config.json, log.txt, metrics.jsonl and summary.json, nothing else",
+      all(f == ["config.json", "log.txt", "metrics.jsonl", "summary.json"] for f in files.values()), **files)
+launch_only = {"compute_environment", "num_machines", "num_processes"}
+shipped = sorted(Path("launch_configs").glob("*/*.yaml"))
+claim("both jobs noted the same three launch-only keys, and every shipped YAML has them",
+      all(set(r.config["unapplied"]) == launch_only for r in (fsdp, ds))
+      and all(launch_only <= set(yaml.safe_load(f.read_text())) for f in shipped),
+      noted=sorted(fsdp.config["unapplied"]), yamls=len(shipped))
+empty = [c for c in ("updated_fraction", "updated_fraction_compute") if all(r.metrics[c].isna().all() for r in (fsdp, ds))]
+claim("the updated_fraction columns stay empty: both logs say the jobs ran without --track-updates (notebook 02 "
+      "uses it)", len(empty) == 2 and all("pass --track-updates" in (r.path / "log.txt").read_text() for r in (fsdp, ds)),
+      empty=empty)
 fsdp.metrics.head()
 
 # %%
+fd, dd = fsdp.summary["dtypes"], ds.summary["dtypes"]
+claim("the jobs ran FSDP FULL_SHARD on fp32 shards and ZeRO-3 on bf16 partitions with fp32 master weights, "
+      "both computing in bf16", (fsdp.summary["mode"], ds.summary["mode"]) == ("FULL_SHARD", "ZeRO-3")
+      and (fd["stored_param"], fd["forward_weight"]) == ("fp32", "bf16")
+      and (dd["stored_param"], dd["master_param"], dd["forward_weight"]) == ("bf16", "fp32", "bf16"),
+      fsdp=[fd["stored_param"], fd["forward_weight"]], ds=[dd["stored_param"], dd["master_param"], dd["forward_weight"]])
 results.summary_table([fsdp, ds])
 
 # %% [markdown]
@@ -148,19 +172,23 @@ fig.tight_layout()
 
 # %%
 facts.show("accelerate.fsdp2_bf16_fp32_shards", "deepspeed.zero3_bf16_dtypes")
-gap = max(abs(a - b) for a, b in zip(fsdp.summary["losses"], ds.summary["losses"], strict=True))
-if nb.bitwise_parity_expected(NPROC):
-    claim(f"FSDP and ZeRO-3 give identical losses at all {STEPS} steps",
-          fsdp.summary["losses"] == ds.summary["losses"] and len(fsdp.summary["losses"]) == STEPS, max_gap=gap)
-else:
-    claim(f"FSDP and ZeRO-3 losses agree within 1e-2 at all {STEPS} steps", gap < 1e-2, max_gap=gap)
+losses = fsdp.summary["losses"]
+gap = max(abs(a - b) for a, b in zip(losses, ds.summary["losses"], strict=True))
+exact = nb.bitwise_parity_expected(NPROC)
+same = len(losses) == STEPS and (losses == ds.summary["losses"] if exact else gap < 1e-2)
+agree = "give identical losses" if exact else "losses agree within 1e-2"
+claim(f"FSDP and ZeRO-3 {agree} at all {STEPS} steps", same, max_gap=gap)
 claim("the model learns: the final loss is over 0.5 below the first", fsdp.summary["final_loss"] <
-      fsdp.summary["losses"][0] - 0.5, first=fsdp.summary["losses"][0], final=fsdp.summary["final_loss"])
+      losses[0] - 0.5, first=losses[0], final=fsdp.summary["final_loss"])
+rises = [i for i in range(1, len(losses)) if losses[i] > losses[i - 1] + 0.1]
+b = rises[0] if rises else 1
+claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above step {b - 1}, step {b + 1} is back below it",
+      len(rises) == 1 and b + 1 < len(losses) and losses[b + 1] < losses[b - 1], rises=rises, losses=losses[b - 1:b + 2])
 
 # %% [markdown]
 # ## When the config is wrong
 #
-# A typo is refused before any process group starts (each rank checks it first), with one line naming the file, the key and
+# A typo is refused before any process group starts, with one line naming the file, the key and
 # what was meant. (Under `torchrun` the launcher then adds its own failure report.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%
@@ -168,6 +196,13 @@ Path("notebooks/runs").mkdir(parents=True, exist_ok=True)
 _ = Path("notebooks/runs/typo.yaml").write_text(
     "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n  fsdp_reshard_after_foward: true\n"
 )
+typo = subprocess.run([sys.executable, "-m", "helpers.train", "--config", "notebooks/runs/typo.yaml",
+                       "--out", "notebooks/runs/00_typo"], capture_output=True, text=True, timeout=120)
+claim("the typo is refused before the job starts: exit status 2, no run directory, one line naming the file, "
+      "the key and what was meant", typo.returncode == 2 and not Path("notebooks/runs/00_typo").exists()
+      and not typo.stdout and typo.stderr.count("\n") == 1 and all(w in typo.stderr for w in (
+          "notebooks/runs/typo.yaml", "fsdp_reshard_after_foward", "did you mean fsdp_reshard_after_forward")),
+      exit_status=typo.returncode, lines=typo.stderr.count("\n"))
 
 # %% language="bash"
 # python -m helpers.train --config notebooks/runs/typo.yaml --out notebooks/runs/00_typo || echo "exit status $?"
@@ -182,17 +217,22 @@ for r in (fsdp, ds):
     s = r.summary
     print(f"{r.label:28s} loss {s['losses'][0]:.3f} -> {s['final_loss']:.3f}   "
           f"median step {s['step_time_s'] * 1e3:6.1f} ms   {s['tokens_per_s_per_rank']:7.0f} tokens/s/rank   on {s['device']}")
+kinds = {Path(r.summary["config"]).name: (yaml.safe_load(Path(r.summary["config"]).read_text())["distributed_type"],
+                                          r.backend) for r in (fsdp, ds)}
+claim("one entry point (helpers.train) served both backends; the launch config's distributed_type decided which",
+      list(kinds.values()) == [("FSDP", "fsdp"), ("DEEPSPEED", "deepspeed")], **kinds)
+claim(f"with the precision settings aligned, FSDP FULL_SHARD and ZeRO-3 {agree} at every step", same, max_gap=gap)
+peak = "measured at its start" if not GPUS else "from the GPU table"
+claim(f"each job's MFU divides by its own peak, {peak}", all(
+    r.summary["peak_flops_source"].startswith("measured" if not GPUS else "table") and abs(
+        r.summary["mfu"] - r.summary["flops_per_token"] * r.summary["tokens_per_s_per_rank"] / r.summary["peak_flops"])
+    < 1e-9 for r in (fsdp, ds)), peak_GFLOPs=[r.summary["peak_flops"] / 1e9 for r in (fsdp, ds)])
 
 # %% [markdown]
-# * One entry point (`helpers.train`) served both backends; the launch config decided which.
-# * With the precision settings aligned, FSDP FULL_SHARD and ZeRO-3 produced the same
-#   loss at every step.
-# * The run directory (`config.json`, `metrics.jsonl`, `summary.json`, `log.txt`) is what
-#   the later notebooks read.
-# * The step times above are one run each on a shared CPU: not a speed comparison of the
+# * The run directory is what the later notebooks read.
+# * The step times above are one run each: not a speed comparison of the
 #   backends (notebook 07 compares them with repeated steps and says when a difference is
-#   above the noise). Nor is MFU, which divides by each job's own measured peak (each
-#   job's `peak` line above).
+#   above the noise). Nor is MFU, which divides by each job's own peak (checked above).
 # * More in the deep dive `10_launching_details`: a bump in the loss, and the learning rate it comes with.
 #
 # Next: `01_sharding` — what each rank actually holds under each FSDP strategy and ZeRO stage.

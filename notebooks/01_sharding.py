@@ -34,7 +34,7 @@ import pandas as pd
 from helpers import nb
 from helpers.core import mapping
 from helpers.nb import plots, results
-from helpers.nb.claims import claim
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()
 # every mode at 2 ranks; the hybrids at 4 (HYBRID_SHARD: 2 replicas x 2 shards; hpZ: ZeRO-3 over 4 plus a
@@ -93,6 +93,17 @@ print(f"{len(plan)} jobs")
 
 # %%
 runs = results.load_runs(*[out for _, _, out in plan])
+ran("every job trains the small model for 2 steps", runs, model="small", steps=2)
+at = {r.summary["mode_key"]: r.summary["world_size"] for r in runs}
+claim("the model has 21M parameters; every mode ran at 2 ranks" + ("; the hybrids at 4" if 4 in WORLDS else
+      "; the hybrids (4 ranks) not at this size") + "; each job counted every rank's bytes in the four categories, "
+      "next to the model's prediction", round(runs[0].summary["num_params"] / 1e6) == 21
+      and (4 not in WORLDS or set(at) == set(mapping.MODES)) and all(
+          at[k] == max(2, mapping.MODES[k].min_world_size) for k in at) and all(
+          len(r.summary["memory_bytes"]) == r.summary["world_size"] and all(
+              set(m) == set(r.summary["memory_theory_bytes"]) == {"params", "grads", "optimizer_states",
+                                                                  "master_params"} for m in r.summary["memory_bytes"])
+          for r in runs), params_M=runs[0].summary["num_params"] / 1e6, ranks=at)
 mem = results.memory_table(runs)
 mem.head()
 
@@ -111,7 +122,7 @@ plots.memory_bars(mem, world_size=2);
 # on every rank <!-- fact: deepspeed.zero3_persistent_keep_partition -->). ZeRO-1/2's gradients
 # follow another rule: DeepSpeed slices one flat buffer across ranks, and a parameter straddling a
 # slice edge keeps its whole gradient on each rank it touches. <!-- fact: deepspeed.zero12_straddler_whole_grad -->
-# The deep dive `11_sharding_details` counts them byte for byte.
+# The cell below counts them byte for byte.
 
 # %%
 mem["ratio"] = mem.measured / mem.theory.where(mem.theory > 0)
@@ -125,12 +136,25 @@ import torch  # noqa: E402
 from helpers.core import models  # noqa: E402
 
 with torch.device("meta"):  # shapes only, no memory
-    largest = max(p.numel() for p in models.build_model(models.resolve_model("small"), torch.bfloat16, seed=0,
-                                                        device="meta").parameters())
-over = mem[boundary].measured - mem[boundary].theory  # bytes beyond the 1/N slice
-claim("ZeRO-1/2 gradients: every rank holds more than its 1/N slice, by at most the two bf16 parameters that can "
-      "straddle its slice's edges", ((over > 0) & (over <= 2 * 2 * largest)).all(), bytes_beyond_slice=over.tolist(),
-      largest_param_bf16_bytes=2 * largest)
+    sizes = [p.numel() for p in models.build_model(models.resolve_model("small"), torch.bfloat16, seed=0,
+                                                   device="meta").parameters()]  # the flat buffer's order
+
+
+def overhang(ws, rank):
+    """bf16 bytes of the parameters straddling this rank's slice edges, outside the slice (as notebook 11)."""
+    lo, hi, start, out = sum(sizes) * rank // ws, sum(sizes) * (rank + 1) // ws, 0, 0
+    for n in sizes:
+        if start < hi and start + n > lo and (start < lo or start + n > hi):
+            out += max(lo - start, 0) + max(start + n - hi, 0)
+        start += n
+    return 2 * out
+
+
+over = [int(x) for x in mem[boundary].measured - mem[boundary].theory]  # bytes beyond the 1/N slice
+counted = [overhang(w, r) for w, r in zip(mem[boundary].world_size, mem[boundary]["rank"])]
+straddle = over == counted and min(over) > 0
+claim("ZeRO-1/2 gradients: each rank holds its 1/N slice plus exactly the rest of the parameters straddling its "
+      "slice's edges", straddle, bytes_beyond_slice=over, counted=counted)
 
 # %% [markdown]
 # ## Same total, different split: FSDP and DeepSpeed do not keep the same things
@@ -152,15 +176,16 @@ split.loc["total"] = split.sum()
 split.round(1)
 
 # %%
-claim("FULL_SHARD and ZeRO-3 hold the same total (within 1%)",
-      abs(split.loc["total", "full_shard"] / split.loc["total", "zero3"] - 1) < 0.01,
-      full_shard_MiB=split.loc["total", "full_shard"], zero3_MiB=split.loc["total", "zero3"])
-claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient bytes (fp32 shards vs bf16 shards "
-      "+ fp32 master)", split.loc["master_params", "full_shard"] == 0 and split.loc["master_params", "zero3"] > 0
-      and abs(split.loc["params", "full_shard"] / split.loc["params", "zero3"] - 2) < 0.01
-      and abs(split.loc["grads", "full_shard"] / split.loc["grads", "zero3"] - 2) < 0.01,
-      params_ratio=split.loc["params", "full_shard"] / split.loc["params", "zero3"],
-      grads_ratio=split.loc["grads", "full_shard"] / split.loc["grads", "zero3"])
+per_param = split.loc["total"] * 2**20 * ws / runs[0].summary["num_params"]
+same16 = all(abs(per_param / 16 - 1) < 0.01)
+claim(f"at {ws} ranks FULL_SHARD and ZeRO-3 hold the same total, 16 bytes per parameter (within 1%)", same16,
+      bytes_per_param=per_param.to_dict())
+ratio = {c: split.loc[c, "full_shard"] / split.loc[c, "zero3"] for c in ("params", "grads")}
+ratio["zero3 master / full_shard params"] = split.loc["master_params", "zero3"] / split.loc["params", "full_shard"]
+differ = split.loc["master_params", "full_shard"] == 0 and all(abs(v - w) < 0.01 for v, w in
+                                                                 zip(ratio.values(), (2, 2, 1), strict=True))
+claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient bytes; DeepSpeed's fp32 master "
+      "weighs what FSDP's fp32 shards do", differ, **ratio)
 
 # %% [markdown]
 # Two pairs hold the same at rest (checked below); they differ in between, which the bars (taken
@@ -195,6 +220,13 @@ claim("at rest ZeRO-1 holds what ZeRO-2 holds, and SHARD_GRAD_OP what FULL_SHARD
       total2["zero1"] == total2["zero2"] and total2["shard_grad_op"] == total2["full_shard"],
       zero1=total2["zero1"], zero2=total2["zero2"], shard_grad_op=total2["shard_grad_op"],
       full_shard=total2["full_shard"])
+r0 = {r.summary["mode_key"]: r.summary["memory_bytes"][0] for r in runs if r.summary["world_size"] == 2}
+P = runs[0].summary["num_params"]
+twin = {"shard_grad_op": "no_shard", "zero2": "zero0"}  # the same backend, nothing sharded
+part = {f"{k}/{t} {c}": r0[k][c] / r0[t][c] for k, t in twin.items() for c in ("grads", "optimizer_states")}
+claim("at rest SHARD_GRAD_OP keeps its fp32 weights sharded (half each), ZeRO-2 its bf16 weights whole; both shard "
+      "the gradients and optimizer states", r0["shard_grad_op"]["params"] == 4 * P // 2 and r0["zero2"]["params"]
+      == 2 * P and max(part.values()) < 0.6, params_bytes={k: r0[k]["params"] for k in twin}, num_params=P, **part)
 
 # %% [markdown]
 # ## What it buys: the largest micro-batch in a memory budget
@@ -230,6 +262,17 @@ claim(f"at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences t
 
 # %%
 recap = (mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum() / 2**20).unstack().round(1)
+claim("every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients: a slice plus the rest of the "
+      "parameters straddling its edges", off.empty and straddle, outside_1pct=len(off), beyond_slice=over)
+claim("FULL_SHARD (aligned) and ZeRO-3 hold the same total, split differently: fp32 shards and gradients vs bf16 "
+      "shards and gradients + fp32 master", same16 and differ, bytes_per_param=per_param.to_dict(), **ratio)
+if 4 in WORLDS:
+    hy = {r.summary["mode_key"]: r.config for r in runs if r.summary["world_size"] == 4}
+    group = [hy["hybrid_shard"]["fsdp"]["hybrid_shard_size"],
+             hy["zero3_hpz"]["deepspeed"]["json"]["zero_optimization"]["zero_hpz_partition_size"]]
+    claim("HYBRID_SHARD and hpZ gather within groups of 2 of the 4 ranks, and hold different bytes (the table)",
+          group == [2, 2] and abs(recap.loc["hybrid_shard", 4] / recap.loc["zero3_hpz", 4] - 1) > 0.1,
+          group=group, MiB=recap[4].dropna().to_dict())
 recap
 
 # %% [markdown]
@@ -238,10 +281,6 @@ recap
 #   ranks; alike in spirit, not in bytes: the table);
 #   <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard -->
 #   ZeRO-1 has no FSDP twin. "=" is about what is sharded, not the arithmetic.
-# * Every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients: a slice plus at
-#   most two of the largest bf16 gradients (straddling an edge).
-# * FULL_SHARD (aligned) and ZeRO-3 hold the same total, split differently: fp32 shards and
-#   gradients vs bf16 shards and gradients + fp32 master.
 # * More in the deep dive `11_sharding_details`: 1, 2 and 4 ranks, the ZeRO-1/2 overhang counted,
 #   ZeRO-0, the whole process, and a config key by key.
 #

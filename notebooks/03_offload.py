@@ -41,7 +41,7 @@ import os
 
 from helpers import facts, nb
 from helpers.nb import plots, results, tables
-from helpers.nb.claims import claim
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 4 if SIZE == "quick" else 10
@@ -85,6 +85,11 @@ RUNS = {label: results.load_run(f"notebooks/runs/03_{path.split('/')[1]}") for l
         if "nvme" not in path}  # the NVMe run: the deep dive's
 BASE = {label: RUNS["FSDP, no offload" if label.startswith("FSDP") else "DeepSpeed, no offload"] for label in RUNS}
 print(f"{len(RUNS)} runs loaded")
+ran(f"the five runs train the same model on the same data for {STEPS} steps, {NPROC} ranks each", RUNS.values(),
+    model="tiny", seed=0, micro_batch=8, seq_len=64, steps=STEPS, world_size=NPROC)
+claim("each run used the config the table names", all(r.summary["config"] == f"launch_configs/{CONFIGS[label]}.yaml"
+                                                      for label, r in RUNS.items()),
+      configs=[r.summary["config"].split("/", 1)[1] for r in RUNS.values()])
 
 # %% [markdown]
 # ## 1 · Where each state lives
@@ -118,8 +123,8 @@ axes[0].figure.tight_layout()
 #   in this tiny model every decoder-layer weight and the final norm) also keep a whole copy
 #   next to the compute, and those copies stay on the device. <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.zero3_persistent_small_params -->
 #
-# Here the checks below read each backend's bookkeeping: they catch a config key that did not take
-# effect, not bytes crossing a bus. (The printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
+# Here the location checks below read each backend's bookkeeping: they catch a config key that did not take
+# effect, not bytes crossing a bus; the last one holds each place's bytes to the ZeRO model. (The printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
 
 # %%
 import json
@@ -177,6 +182,30 @@ claim("adding offload_param moves every param partition to the host; the persist
           for b, a in zip(both, alone)),
       host_MB=[b.get("host", 0) / 1e6 for b in both], device_MB=[b.get("device", 0) / 1e6 for b in both],
       persistent_MB=persistent / 1e6)
+counters = 4 * RUNS["FSDP offload"].summary["audit"]["parameters"]  # Adam's fp32 step counters: at most one per tensor
+
+
+def expected(label):
+    """(device, host) bytes per rank by the ZeRO model's formula (memory_theory_bytes), plus the persistent copies."""
+    t = RUNS[label].summary["memory_theory_bytes"]
+    if label == "FSDP offload":
+        return 0, sum(t.values())
+    host = t["master_params"] + t["optimizer_states"] + t["grads"] + t["master_params"]  # + the fp32 grad copy
+    return (t["params"] + persistent, host) if label == "DeepSpeed optimizer" else (persistent, host + t["params"])
+
+
+def held(label, r, place):
+    return sum(c[place] for c in RUNS[label].summary["memory_location_bytes"][r].values())
+
+
+off = {label: [(held(label, r, "device") - expected(label)[0], held(label, r, "host") - expected(label)[1]) for r in R]
+       for label in ("FSDP offload", "DeepSpeed optimizer", "DeepSpeed params + optimizer")}
+claim("each offload run's bytes per place are the ZeRO model's for 1/N of the model: FSDP offload's whole fp32 state "
+      "on the host; with DeepSpeed, the fp32 master, Adam's states, the bf16 grads and their fp32 copy on the host, "
+      "the bf16 params too with offload_param, the rest and the persistent copies next to the compute (Adam's 4-byte "
+      "step counters aside)",
+      all(d == 0 and 0 <= h <= counters for v in off.values() for d, h in v),
+      bytes_over_model_device_host=off, counters_max=counters)
 
 # %% [markdown]
 # ## 2 · Does it change training?
@@ -200,7 +229,8 @@ if nb.bitwise_parity_expected(NPROC):  # CPU; GPU: see nb.bitwise_parity_expecte
           losses["FSDP, no offload"] == losses["DeepSpeed, no offload"])
 if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (the deep dive 10_launching_details traces it)
     lo = losses["FSDP, no offload"]
-    claim("the last loss is a bump at step 9 after the loss had fallen at every step before it, not a stall",
+    claim("the last loss is a bump at step 9 after the loss had fallen at every step before it, not a stall "
+          "(the deep dive 10_launching_details traces it)",
           lo[9] > lo[8] + 0.3 and all(b < a for a, b in zip(lo[:9], lo[1:9])), step0=lo[0], step8=lo[8], step9=lo[9])
 
 # %% [markdown]
@@ -208,8 +238,7 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (the deep di
 # torch AdamW steps on the host (our JSONs set `zero_force_ds_cpu_optimizer: false`), <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off -->
 # so the losses are the same bit for bit. On a GPU the step moves to the host; <!-- fact: deepspeed.offload_optimizer_steps_on_host -->
 # we do not assume it rounds like the GPU's kernels, so there the check allows 1% per step (not yet
-# run). At full size the last loss is a bump after the loss fell at every step before it, not a
-# stall (checked; the deep dive `10_launching_details` traces it).
+# run).
 #
 # **What it costs.** Without an accelerator there is no transfer to pay for: "copying to the host" is at most a copy
 # within the same RAM (FSDP2 makes none). <!-- fact: torch.cpu_offload_on_cpu_is_noop --> On a GPU (not run here), every step,

@@ -47,13 +47,15 @@
 
 # %%
 import os
+import re
 
 from helpers import facts, nb
 from helpers.core.config import load_job_config
+from helpers.core.metrics import WARMUP_STEPS
 from helpers.core.models import resolve_model
 from helpers.job import wrap
 from helpers.nb import plots, results, traces
-from helpers.nb.claims import claim, step_times, timing
+from helpers.nb.claims import claim, ran, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches
 facts.show("torch.fsdp2_gathers_synchronous", "deepspeed.zero3_async_all_gather")  # who waits for a gather on gloo
@@ -61,7 +63,8 @@ GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
 MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
 BATCH = "--micro-batch 4 --seq-len 32" if SIZE == "quick" else "--micro-batch 8 --seq-len 64"
-ARGS = f"--model {MODEL} --steps 4 {BATCH} --profile"  # --profile records steps 2 and 3
+STEPS = 4
+ARGS = f"--model {MODEL} --steps {STEPS} {BATCH} --profile"  # --profile records steps 2 and 3
 os.environ.update(NPROC=str(NPROC), ARGS=ARGS, SIZE=SIZE)
 print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, gloo'}); {ARGS}")
 
@@ -86,6 +89,31 @@ print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, g
 PF = {"FSDP no prefetch": "04_full_shard_no_prefetch", "FSDP prefetch": "04_full_shard_prefetch",
       "ZeRO-3 no prefetch": "04_zero3_no_prefetch", "ZeRO-3 prefetch": "04_zero3_prefetch"}
 pf = {k: results.load_run(f"notebooks/runs/{v}") for k, v in PF.items()}
+ran(f"four short jobs ({STEPS} steps), each rank tracing the two steps after warm-up", pf.values(), model=MODEL,
+    steps=STEPS, world_size=NPROC, dist_backend="nccl" if GPUS else "gloo", profiled_steps=[2, 3])
+claim("every rank of every job wrote its trace, and each job ran the config the table names",
+      all((r.path / f"trace_rank{i}.json").exists() for r in pf.values() for i in range(NPROC))
+      and all(r.summary["config"].endswith(f"/{v[3:]}.yaml") for r, v in zip(pf.values(), PF.values())),
+      configs=[r.summary["config"] for r in pf.values()])
+
+
+def differ(a, b, skip=("source", "out", "config_file")):
+    """Dotted keys where two (nested) configs differ."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return [""] if a != b else []
+    return sorted(f"{k}.{d}".rstrip(".") for k in a.keys() | b.keys() if k not in skip
+                  for d in differ(a.get(k), b.get(k), skip))
+
+
+fsdp_diff = differ(pf["FSDP no prefetch"].config, pf["FSDP prefetch"].config)
+claim("the FSDP pair differs only in its forward and backward prefetch",
+      fsdp_diff == ["fsdp.backward_prefetch", "fsdp.forward_prefetch"], differ=fsdp_diff)
+zero_diff = differ(pf["ZeRO-3 no prefetch"].config, pf["ZeRO-3 prefetch"].config)
+zo = {k: pf[k].config["deepspeed"]["json"]["zero_optimization"] for k in ("ZeRO-3 no prefetch", "ZeRO-3 prefetch")}
+claim("the ZeRO-3 pair differs only in stage3_* thresholds and overlap_comm, and both set "
+      "stage3_param_persistence_threshold 0", "deepspeed.json.zero_optimization.overlap_comm" in zero_diff
+      and all(re.fullmatch(r"deepspeed\.json\.zero_optimization\.(stage3_\w+|overlap_comm)", d) for d in zero_diff)
+      and all(z["stage3_param_persistence_threshold"] == 0 for z in zo.values()), differ=zero_diff)
 facts.show("accelerate.fsdp2_ignores_prefetch_keys")  # why the FSDP pair needs helpers.train, not accelerate launch
 plots.timeline(list(pf.values()), labels=list(pf));
 
@@ -161,16 +189,19 @@ units_tf = wrap.check_wrap_policy(load_job_config("launch_configs/fsdp/full_shar
 want = wrap.expected_collectives(units_tf, reshard_after_forward=True)
 n_tensors = len(list(wrap.meta_model(resolve_model(MODEL)).parameters()))
 fsdp_rows = tab.loc[["FSDP no prefetch", "FSDP prefetch"]]
-claim(f"FSDP's {len(units_tf)} units predict its collectives exactly, with and without prefetch",
-      (fsdp_rows.all_gathers == want["all_gathers"]).all()
-      and (fsdp_rows.reduce_scatters == want["reduce_scatters"]).all()
-      and ((fsdp_rows.all_gather_MB * 1e6 - want["all_gather_bytes"]).abs() < 1e3).all(),
+fsdp_exact = ((fsdp_rows.all_gathers == want["all_gathers"]).all()
+              and (fsdp_rows.reduce_scatters == want["reduce_scatters"]).all()
+              and ((fsdp_rows.all_gather_MB * 1e6 - want["all_gather_bytes"]).abs() < 1e3).all())
+claim(f"FSDP's {len(units_tf)} units predict its collectives exactly, with and without prefetch", fsdp_exact,
       expected=want, counted=fsdp_rows[["all_gathers", "reduce_scatters"]].to_dict("index"))
 claim(f"ZeRO-3 without prefetch gathers each of the {n_tensors} parameter tensors on its own, in forward and "
       "again in backward", tab.loc["ZeRO-3 no prefetch", "all_gathers"] == 2 * n_tensors,
       all_gathers=int(tab.loc["ZeRO-3 no prefetch", "all_gathers"]))
+bucket = zo["ZeRO-3 prefetch"]["stage3_prefetch_bucket_size"]
+n_params = pf["ZeRO-3 prefetch"].summary["num_params"]
 claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step (the profiled step 2)",
-      tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1, all_gathers=int(tab.loc["ZeRO-3 prefetch", "all_gathers"]))
+      bucket > n_params and tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1, bucket=bucket, params=n_params,
+      all_gathers=int(tab.loc["ZeRO-3 prefetch", "all_gathers"]))
 
 # %% [markdown]
 # ## 3 · What prefetch holds: the size of one gather
@@ -205,6 +236,9 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # behind compute. <!-- fact: torch.fsdp2_gathers_synchronous -->
 
 # %%
+timed = {k: r.metrics.step.iloc[WARMUP_STEPS:].tolist() for k, r in pf.items()}  # the steps step_times keeps
+claim("each job's times are its two profiled steps, one run each",
+      all(timed[k] == r.summary["profiled_steps"] and len(step_times(r)) == 2 for k, r in pf.items()), steps=timed)
 for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):
     print(f"{timing(a, step_times(pf[a]), b, step_times(pf[b])).measured()}, one run each")
 
@@ -212,19 +246,22 @@ for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 
 # ## Recap: measured on this machine
 
 # %%
-print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
-print(f"FSDP, transformer-block policy ({len(units_tf)} units): {want['all_gathers']} all-gathers and "
-      f"{want['reduce_scatters']} reduce-scatters per profiled step, with or without prefetch; prefetch issues block 1's "
-      "gather before block 0's forward is done")  # fact: torch.fsdp2_forward_prefetch_order
-print(f"ZeRO-3: {int(tab.loc['ZeRO-3 no prefetch', 'all_gathers'])} all-gathers per profiled step without prefetch, "
-      f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, gathered at once)")
+ran(f"model {MODEL}, {NPROC} ranks, {'GPU (nccl)' if GPUS else 'CPU (gloo)'}", pf.values(), model=MODEL,
+    world_size=NPROC, dist_backend="nccl" if GPUS else "gloo")
+claim(f"prefetch changes when FSDP gathers, not how many: its {len(units_tf)} transformer-policy units predict every "
+      f"gather (count and bytes) and the reduce-scatter count ({want['all_gathers']} and {want['reduce_scatters']} per "
+      "profiled step), with or without prefetch; with it, block 1's gather starts before block 0's forward is done",
+      fsdp_exact and ag1 < done1 and ag0 > done0)  # fact: torch.fsdp2_forward_prefetch_order
+n_zero = int(tab.loc["ZeRO-3 no prefetch", "all_gathers"])
+claim(f"ZeRO-3's bucket merges its per-module gathers into one: {n_zero} per profiled step without prefetch, "
+      f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, at once)",
+      n_zero == 2 * n_tensors and tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1 and bucket > n_params
+      and abs(big["ZeRO-3 prefetch"] - model_mb) < 1e-3)
+claim("all four settings train identically", len({tuple(v) for v in losses.values()}) == 1)
 
 # %% [markdown]
-# * Prefetch changes when FSDP gathers, not how many: its units predict every gather (count and bytes) and the reduce-scatter count. ZeRO-3's
-#   bucket merges its per-module gathers into one.
-# * All four settings train identically.
-# * More in the deep dive `14_prefetch_details`: other unit choices, computing and communicating at
-#   once on gloo, and `--compile`.
+# More in the deep dive `14_prefetch_details`: other unit choices, computing and communicating at
+# once on gloo, and `--compile`.
 #
 # Next: `05_loading`.
 

@@ -35,7 +35,7 @@ import pandas as pd
 from helpers import facts, nb
 from helpers.job import checkpoint
 from helpers.nb import plots, results
-from helpers.nb.claims import claim
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 MODEL, K = ("tiny", 2) if SIZE == "quick" else ("tiny", 4)
@@ -114,6 +114,30 @@ facts.show("deepspeed.zero_checkpoint_fixed_world_size")
 # %%
 straight, leg_ds, leg_fsdp = results.load_runs("notebooks/runs/06_straight", "notebooks/runs/06_leg_ds",
                                                "notebooks/runs/06_leg_fsdp")
+ran(f"one uninterrupted FSDP job of {3 * K} steps ({MODEL}, {NPROC} ranks)", [straight], backend="fsdp", model=MODEL,
+    steps=3 * K, world_size=NPROC, resumed_from=None)
+
+
+def saved(run):
+    return [(c["step"], c["format"]) for c in run.summary["checkpoints"]]
+
+
+def resumed(run, ck, src):  # resumed from CK/ck, which the converter wrote from CK/src
+    meta = json.loads((CK / ck / "meta.json").read_text())
+    return run.summary["resumed_from"]["path"] == str(CK / ck) and meta["converted_from"] == str(CK / src)
+
+
+claim(f"it saved a SHARDED checkpoint every {K} steps", saved(straight) == [(k, "sharded") for k in (K, 2 * K, 3 * K)],
+      saved=saved(straight))
+claim(f"its step-{K} checkpoint, converted, resumed under ZeRO-3 for steps {K}..{2 * K - 1}, which saved a native "
+      f"checkpoint with 16-bit weights at step {2 * K}",
+      resumed(leg_ds, f"to_ds/step_{K}", f"fsdp/step_{K}") and leg_ds.summary["mode_key"] == "zero3"
+      and leg_ds.metrics.step.tolist() == list(range(K, 2 * K)) and saved(leg_ds) == [(2 * K, "deepspeed")]
+      and leg_ds.summary["checkpoints"][0]["saved_dtypes"]["model_16bit"] == ["bfloat16"], saved=saved(leg_ds))
+claim(f"that one, converted back, resumed under FSDP for steps {2 * K}..{3 * K - 1}, which saved one FULL state dict",
+      resumed(leg_fsdp, f"to_fsdp/step_{2 * K}", f"ds/step_{2 * K}") and leg_fsdp.backend == "fsdp"
+      and leg_fsdp.metrics.step.tolist() == list(range(2 * K, 3 * K)) and saved(leg_fsdp) == [(3 * K, "full")],
+      saved=saved(leg_fsdp))
 relay = pd.concat([straight.metrics[straight.metrics.step < K], leg_ds.metrics, leg_fsdp.metrics])
 fig, (left, right) = plots.plt.subplots(1, 2)
 left.plot(straight.metrics.step, straight.metrics.loss, color="black", lw=4, alpha=0.25, label="uninterrupted FSDP")
@@ -140,9 +164,6 @@ fig.tight_layout()
 # `10_launching_details` traces to the learning rate (printed below), on both lines alike. The checks:
 
 # %%
-claim("the relay's legs ran on the backends they name, each resumed from the other",
-      leg_ds.summary["resumed_from"]["backend"] == "fsdp" and leg_ds.backend == "deepspeed"
-      and leg_fsdp.summary["resumed_from"]["backend"] == "deepspeed" and leg_fsdp.backend == "fsdp")
 after = straight.metrics.step >= K  # the first K steps are the uninterrupted run's own (the relay starts from them)
 gap = float(abs(diff[after.to_numpy()]).max())
 if nb.bitwise_parity_expected(NPROC):
@@ -169,7 +190,7 @@ if 3 * K > 10 and NPROC == 2:  # where the bump falls depends on each rank's sli
 # Save time runs from the barrier before the save to the barrier after it (the ZeRO-3 row
 # leaves out the 16-bit file's write, which has its own row). Sizes are read from disk; dtypes
 # from DeepSpeed's files, and from the state FSDP and the converter saved. The conversions ran
-# offline, in one process.
+# offline, between the jobs.
 
 # %%
 facts.show("deepspeed.zero3_checkpoint_files", "deepspeed.zero3_checkpoint_contents",
@@ -208,9 +229,13 @@ def near(kind, want, tol):
     return abs(per_param[kind] - want) / want < tol
 
 
-claim("a resumable checkpoint is about 12 bytes per parameter on both backends (within 10%)",
-      near("FSDP FULL", 12, 0.10) and near("FSDP SHARDED (DCP)", 12, 0.10) and near("DeepSpeed ZeRO-3", 12, 0.10),
-      bytes_per_param=per_param[["FSDP FULL", "FSDP SHARDED (DCP)", "DeepSpeed ZeRO-3"]].to_dict())
+claim("a resumable checkpoint is about 12 bytes per parameter on both backends (within 10%), its optimizer state "
+      "all fp32; DeepSpeed's ZeRO-3 model files hold no weights (no dtype in the table's `model`)",
+      near("FSDP FULL", 12, 0.10) and near("FSDP SHARDED (DCP)", 12, 0.10) and near("DeepSpeed ZeRO-3", 12, 0.10)
+      and table.loc["DeepSpeed ZeRO-3", "dtypes"] == {"model": [], "optim": ["float32"]}
+      and all(table.loc[k, "dtypes"]["optim"] == ["float32"] for k in ("FSDP FULL", "FSDP SHARDED (DCP)")),
+      bytes_per_param=per_param[["FSDP FULL", "FSDP SHARDED (DCP)", "DeepSpeed ZeRO-3"]].to_dict(),
+      zero3_dtypes=table.loc["DeepSpeed ZeRO-3", "dtypes"])
 claim("FULL and SHARDED hold about the same bytes (within 5%), all fp32",
       abs(per_param["FSDP SHARDED (DCP)"] - per_param["FSDP FULL"]) / per_param["FSDP FULL"] < 0.05
       and all(table.loc[k, "dtypes"] == {"model": ["float32"], "optim": ["float32"]}
@@ -241,9 +266,12 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
 # What this machine measured (the bullets after it add what the tests named there show):
 
 # %%
-same = relay.loss.tolist() == straight.summary["losses"]
-print(f"relay FSDP -> DeepSpeed -> FSDP: losses {'identical to' if same else 'DIFFERENT from'} the uninterrupted "
-      f"run at all {2 * K} steps after the first switch (final {straight.summary['final_loss']:.4f})")
+if nb.bitwise_parity_expected(NPROC):
+    claim(f"relay FSDP -> DeepSpeed -> FSDP: losses identical to the uninterrupted run at all {2 * K} steps after the "
+          "first switch", relay.loss.tolist() == straight.summary["losses"], final=straight.summary["final_loss"])
+else:
+    claim(f"relay FSDP -> DeepSpeed -> FSDP: losses within 1e-2 of the uninterrupted run at all {2 * K} steps after "
+          "the first switch (nccl)", gap < 1e-2, final=straight.summary["final_loss"], max_difference=gap)
 for kind, r in table.iterrows():
     print(f"{kind:28s} {r.MB:8.2f} MB  {r.save_s:6.2f} s")
 

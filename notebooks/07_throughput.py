@@ -27,6 +27,7 @@
 
 # %%
 import os
+import statistics
 
 import pandas as pd
 
@@ -34,7 +35,7 @@ from helpers import facts, nb
 from helpers.core import metrics, models
 from helpers.job.observe import throughput
 from helpers.nb import results
-from helpers.nb.claims import claim, timing_runs
+from helpers.nb.claims import claim, in_turn, ran, step_times, timing_runs
 
 SIZE = nb.setup()
 GPUS = nb.gpu_count()
@@ -122,6 +123,26 @@ def table_row(run):
     return {"tokens/s/device": s["tokens_per_s_per_rank"], "step time (s)": s["step_time_s"], "MFU": s["mfu"]}
 
 
+PAIR_RUNS = (fsdp, ds, fsdp_2, ds_2)
+ran(f"the aligned pair ran twice each: tiny, {PAIR_STEPS} steps, {NPROC} ranks" + ("" if GPUS else " sharing one CPU"),
+    PAIR_RUNS, model="tiny", steps=PAIR_STEPS, world_size=NPROC, num_nodes=1, **({} if GPUS else {"device": "cpu"}),
+    dist_backend="nccl" if GPUS else "gloo")
+in_turn("they ran in turn, each after the previous one ended: FSDP, DeepSpeed, FSDP, DeepSpeed", PAIR_RUNS)
+claim("FSDP ran full_shard.yaml and DeepSpeed zero3.yaml, notebook 00's aligned pair",
+      [r.summary["config"] for r in PAIR_RUNS] == ["launch_configs/fsdp/full_shard.yaml",
+                                                   "launch_configs/deepspeed/zero3.yaml"] * 2)
+claim(f"each job's step time is the median of its steps after the first {metrics.WARMUP_STEPS} (warm-up); its "
+      "tokens/s/device is one rank's tokens per step over that time",
+      metrics.WARMUP_STEPS == 2 and all(
+          r.summary["step_time_s"] == statistics.median(step_times(r, metrics.WARMUP_STEPS))
+          and abs(r.summary["tokens_per_s_per_rank"] * r.summary["step_time_s"] * r.summary["world_size"]
+                  / r.summary["tokens_per_step"] - 1) < 1e-9 for r in PAIR_RUNS),
+      tokens_per_rank_step=fsdp.summary["tokens_per_step"] // fsdp.summary["world_size"])
+claim("each job's MFU is its FLOPs per token (the presets' count for tiny, above) x tokens/s / its peak",
+      all(r.summary["flops_per_token"] == presets.loc["tiny", "FLOPs/token (T=64)"]
+          and abs(r.summary["flops_per_token"] * r.summary["tokens_per_s_per_rank"] / r.summary["peak_flops"]
+                  / r.summary["mfu"] - 1) < 1e-9 for r in PAIR_RUNS),
+      flops_per_token=fsdp.summary["flops_per_token"])
 here = f"{fsdp.summary['world_size']}x {fsdp.summary['device']}"
 pair = pd.DataFrame([table_row(r) for r in (fsdp, ds, fsdp_2, ds_2)],
                     index=[f"{name} (run {k}), {here}" for k in (1, 2)
@@ -129,14 +150,15 @@ pair = pd.DataFrame([table_row(r) for r in (fsdp, ds, fsdp_2, ds_2)],
 pd.concat([pair, SEEDS]).round(3)
 
 # %%
-PAIR_RUNS = (fsdp, ds, fsdp_2, ds_2)
 peaks = [r.summary["peak_flops"] for r in PAIR_RUNS]
 print("peak per rank, as each job measured it:", [throughput.fmt_flops(p) for p in peaks],
       f"(the largest {max(peaks) / min(peaks) - 1:.0%} above the smallest) -", fsdp.summary["peak_flops_source"])
-claim("every MFU is below 1 against a peak measured in the dtype the job's forward computes in",
+claim("every MFU is below 1 against a peak in the dtype the job's forward computes in"
+      + ("" if GPUS else ", measured by rank 0 alone: a 512x512 matmul on one thread, four different values"),
       all(0 < r.summary["mfu"] < 1 and (f"dense {r.summary['dtypes']['forward_weight']}" if GPUS else
-                                         f"{r.summary['dtypes']['forward_weight']} matmul") in r.summary["peak_flops_source"]
-          for r in PAIR_RUNS),
+                                         f"measured: 512x512 {r.summary['dtypes']['forward_weight']} matmul, "
+                                         "1 thread(s), rank 0 alone") in r.summary["peak_flops_source"]
+          for r in PAIR_RUNS) and (GPUS or len(set(peaks)) == len(PAIR_RUNS)),
       mfu=[r.summary["mfu"] for r in PAIR_RUNS], compute=[r.summary["dtypes"]["forward_weight"] for r in PAIR_RUNS],
       peak_sources=sorted({r.summary["peak_flops_source"].split(",")[0] for r in PAIR_RUNS}))
 if nb.bitwise_parity_expected(NPROC):  # bit for bit on a CPU (gloo); on GPUs see nb.bitwise_parity_expected
@@ -154,9 +176,11 @@ print(f"FSDP / DeepSpeed tokens/s: {mean_tps['FSDP'] / mean_tps['DeepSpeed']:.2f
 tps = max(r.summary["tokens_per_s_per_rank"] for r in (fsdp, fsdp_2))  # FSDP's run with more tokens/s
 achieved = tps * fsdp.summary["flops_per_token"]
 peak = sorted(peaks)[len(peaks) // 2]  # the upper median of the four
-print(f"peak: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this core's (the median job's); achieved FLOP/s: the "
-      f"write-up's {0.41 * 312e12 / achieved:,.0f}x ours; FLOPs per token: Granite 7B's 6 N alone "
-      f"{6 * 7e9 / fsdp.summary['flops_per_token']:,.0f}x tiny's")
+apart = [6 * 7e9 / fsdp.summary["flops_per_token"]] + ([] if GPUS else [312e12 / peak, 0.41 * 312e12 / achieved])
+claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this "
+      f"{'GPU' if GPUS else 'core'}'s peak (the median job's); achieved FLOP/s: the write-up's "
+      f"{0.41 * 312e12 / achieved:,.0f}x ours; FLOPs per token: Granite 7B's 6 N alone "
+      f"{apart[0]:,.0f}x tiny's ({'each ratio' if not GPUS else 'FLOPs per token'} over 100x)", min(apart) > 100)
 
 # %% [markdown]
 # **What it means.** The two backends do the same work. Whether one was faster here is the verdict
@@ -164,8 +188,7 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this core's (the med
 # their steps' spreads part; the write-up's two figures (one number each, no spread) differ by 2%.
 # Each job measures its peak again, and the four can differ (by how much here: printed above), so MFU can move with the
 # measured peak as well as with tokens/s: compare the backends by tokens/s. "tokens/s/device" here
-# is per rank; the ranks share one CPU. The absolute numbers are not comparable with the
-# write-up's: the last line puts the peaks, the achieved FLOP/s and the FLOPs per token side by side.
+# is per rank; the ranks share one CPU. The last check sets our absolute numbers beside the write-up's.
 #
 # ## What may limit MFU here (not measured), and what changes on a GPU node
 #
@@ -185,8 +208,8 @@ print(f"peak: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this core's (the med
 
 # %%
 facts.show("torch.compile_default_no_cudagraphs")
-print(f"pair: {fsdp.config['mixed_precision']} compute, micro-batch {fsdp.config['train']['micro_batch']}, "
-      f"{PAIR_STEPS} steps")
+ran(f"pair: bf16 compute, micro-batch 8, {PAIR_STEPS} steps", PAIR_RUNS, mixed_precision="bf16", micro_batch=8,
+    steps=PAIR_STEPS)
 pd.concat([pair.assign(model="tiny"), SEEDS.assign(model="Granite 7B")]).round(3)
 
 # %% [markdown]

@@ -27,12 +27,14 @@
 # `reused`; otherwise it runs.
 
 # %%
+import json
 import math
 import os
+from pathlib import Path
 
 from helpers import nb
 from helpers.nb import plots, results
-from helpers.nb.claims import claim
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 12 if SIZE == "quick" else 40
@@ -58,6 +60,15 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks")
 
 # %%
 fsdp, ds = results.load_runs("notebooks/runs/10_fsdp", "notebooks/runs/10_deepspeed")
+ran(f"notebook 00's pair again: the tiny model, {STEPS} steps on {NPROC} ranks, lr 3e-3", [fsdp, ds], model="tiny",
+    steps=STEPS, world_size=NPROC, lr=3e-3)
+src = {r.backend: r.summary["reused_from"] for r in (fsdp, ds)}
+same = [r.summary["losses"] == json.loads(Path(src[r.backend], "summary.json").read_text())["losses"] and
+        {**r.config, "out": None} == {**json.loads(Path(src[r.backend], "config.json").read_text()), "out": None}
+        for r in (fsdp, ds) if src[r.backend]]
+claim("the pair is FSDP FULL_SHARD and ZeRO-3; a job reused is notebook 00's run with the same config (all but "
+      "--out) and losses", (fsdp.summary["mode"], ds.summary["mode"]) == ("FULL_SHARD", "ZeRO-3") and all(same)
+      and all(v in (None, f"notebooks/runs/00_{k}") for k, v in src.items()), reused_from=src)
 fig, (left, right) = plots.plt.subplots(1, 2)
 plots.loss_curves([fsdp, ds], ax=left, title="loss per step (the lines overlap)")
 plots.run_curves([fsdp, ds], "grad_norm", ax=right, title="gradient norm per step")
@@ -88,6 +99,13 @@ for r in (fsdp, ds):
 
 # %%
 slow = results.load_run("notebooks/runs/10_fsdp_lr1e-3")
+changed = {k: v for k, v in slow.config["train"].items() if fsdp.config["train"].get(k) != v}
+claim("the slower job is the same FSDP job (same steps, seed, ranks) but for the rate", changed == {"lr": 1e-3} and
+      (slow.summary["mode"], slow.summary["world_size"]) == (fsdp.summary["mode"], fsdp.summary["world_size"]),
+      changed=changed, steps=slow.summary["steps"])
+near = fsdp.metrics[(fsdp.metrics.loss - math.log(97)).abs() < 0.03]
+claim(f"the 3e-3 loss lingers near ln 97 = {math.log(97):.2f}: three or more steps within 0.03 of it", len(near) >= 3,
+      steps=near.step.tolist(), losses=near.loss.round(3).tolist())
 claim("the default runs kept lr 3e-3 at every step (no warm-up), the slower one 1e-3",
       all((r.metrics.lr == 3e-3).all() for r in (fsdp, ds)) and (slow.metrics.lr == 1e-3).all(),
       lrs={name: sorted(set(r.metrics.lr)) for name, r in (("FSDP", fsdp), ("DeepSpeed", ds), ("FSDP slow", slow))})

@@ -34,14 +34,16 @@ from pathlib import Path
 
 from helpers import facts, nb
 from helpers.nb import plots, results
-from helpers.nb.claims import claim
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps and families
 SHORT = 8 if SIZE == "quick" else 20  # steps of the clipping and accumulation runs
 TRACE = 3  # steps of the stalling pair's traces and of each family (the clipping pair traces SHORT)
 GPUS = nb.gpu_count()
 NPROC = nb.nproc()
-LR, LR_HIGH = 1e-5, 1e-4  # notebook 02's two rates: bf16 updates round away at LR; the clip acts at LR_HIGH
+# notebook 02's two rates: bf16 updates round away at LR; sections 2 and 4 train at LR_HIGH. Step 0's gradient
+# norm is over 1 at both (the same weights and batch: sections 2 and 3 check it), so a clip at 1.0 acts at either.
+LR, LR_HIGH = 1e-5, 1e-4
 ARGS = "--model tiny --micro-batch 8 --seq-len 32"
 os.environ.update(SHORT=str(SHORT), TRACE=str(TRACE), NPROC=str(NPROC), LR=str(LR), LR_HIGH=str(LR_HIGH), ARGS=ARGS)
 print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each family {TRACE} steps; {NPROC} ranks "
@@ -53,7 +55,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # The shipped pair (`launch_configs/fsdp/full_shard.yaml`, `launch_configs/deepspeed/zero3.yaml`)
 # trains bit for bit alike on this CPU (notebooks 00 and 02). It takes explicit choices. The first two **parity breakers** below
 # part the runs when left at their defaults (clipping, when the gradient norm passes the limit:
-# shown on the tiny Llama; ZeRO-3's linear on a model whose biased layers take 3-D inputs: shown
+# shown on the tiny Llama in section 2; ZeRO-3's linear on a model whose biased layers take 3-D inputs: shown
 # on Qwen2), the third one family (section 5); the others are
 # conditions parity needs:
 #
@@ -159,11 +161,29 @@ right.legend()
 fig.tight_layout()
 
 # %%
+from helpers.core.models import model_config, resolve_model  # noqa: E402
+
+tiny_type = model_config(resolve_model("tiny")).model_type
+ran(f"the three jobs train --model tiny for {SHORT} steps at lr {LR_HIGH} on {NPROC} ranks",
+    [fsdp_hi, ds_clip, fsdp_clip], model="tiny", steps=SHORT, lr=LR_HIGH, world_size=NPROC)
+clips = {r.name: r.summary["effective"]["max_norm"] for r in (fsdp_hi, ds_clip, fsdp_clip)}
+traced = {r.name: (r.path / "tensor_trace.jsonl").is_file() for r in (fsdp_hi, ds_clip, fsdp_clip)}
+claim(f"--model tiny is a Llama (model_type {tiny_type}); FSDP runs without clipping and with --grad-clip 1.0, "
+      "DeepSpeed (no gradient_clipping in its JSON) clips at 1.0; the first two wrote tensor traces",
+      tiny_type == "llama" and list(clips.values()) == [None, 1.0, 1.0] and list(traced.values()) == [True, True, False]
+      and "gradient_clipping" not in ds_clip.config["deepspeed"]["json"], max_norm=clips, traced=traced)
+ds_lr = ds_clip.metrics["lr"]
+claim(f"no scheduler: DeepSpeed's engine reports lr {LR_HIGH} at every step", "scheduler" not in
+      ds_clip.config["deepspeed"]["json"] and (ds_lr == LR_HIGH).all(), lr_range=[ds_lr.min(), ds_lr.max()])
+claim("both sides reduce gradients in bf16", fsdp_hi.summary["dtypes"]["reduce_dtype"] == "bf16"
+      == ds_clip.summary["dtypes"]["reduce_dtype"], reduce=[fsdp_hi.summary["dtypes"]["reduce_dtype"],
+                                                            ds_clip.summary["dtypes"]["reduce_dtype"]])
 claim("gradient norms exceed 1 at every step, so the default clip acts",  # fact: deepspeed.gradient_clipping_default
       (base["grad_norm"] > 1.0).all(),
       smallest_norm=float(base["grad_norm"].min()), largest_norm=float(base["grad_norm"].max()))
-claim("step 0 is identical, and the runs are still apart at the last step", drift.iloc[0] == 0 and drift.iloc[-1] > 0,
-      first=float(drift.iloc[0]), last=float(drift.iloc[-1]), largest=float(drift.max()))
+claim("step 0 is identical; the runs part from step 1, by a small drift (under 1e-2) still there at the last step",
+      drift.iloc[0] == 0 and drift.iloc[1] > 0 and drift.iloc[-1] > 0 and drift.max() < 1e-2,
+      first=float(drift.iloc[0]), second=float(drift.iloc[1]), last=float(drift.iloc[-1]), largest=float(drift.max()))
 clip_identical = ds_clip.summary["losses"] == fsdp_clip.summary["losses"]
 norms_identical = ds_clip.metrics["grad_norm"].tolist() == fsdp_clip.metrics["grad_norm"].tolist()
 if nb.bitwise_parity_expected(NPROC):  # bit for bit on a CPU (gloo)
@@ -175,7 +195,7 @@ else:
 
 # %% [markdown]
 # Step 0's loss is identical (the first forward pass does not depend on clipping); from step 1 the
-# runs part. The drift is small (the losses printed above), because Adam divides out most of a uniform scaling of the
+# runs part. The drift is small (the gaps printed above), because Adam divides out most of a uniform scaling of the
 # gradient, <!-- fact: torch.adam_divides_out_grad_scale --> but it is still there at the last step: "identical" is gone. FSDP has no clipping in its config
 # (an Accelerate script calls `accelerator.clip_grad_norm_` itself); <!-- fact: accelerate.clipping_is_the_scripts --> `helpers.train`'s FSDP engine has its own clipping, with
 # DeepSpeed's formula, the global norm in fp64 over the local grad shards, summed in ZeRO-3's
@@ -217,6 +237,15 @@ else:
 # %%
 from helpers import compare  # noqa: E402
 
+tr_low, tr_mixed = results.load_runs("notebooks/runs/12_trace_full_shard_low_precision",
+                                     "notebooks/runs/12_trace_full_shard")
+ran(f"the stalling pair: {TRACE} steps each at lr {LR}", [tr_low, tr_mixed], model="tiny", steps=TRACE, lr=LR,
+    world_size=NPROC)
+modes = [(Path(r.config["source"]).name, r.summary["dtypes"]["optimizer_param"]) for r in (tr_low, tr_mixed)]
+claim("FSDP low precision (its optimizer in bf16) against aligned FSDP", modes == [
+      ("full_shard_low_precision.yaml", "bf16"), ("full_shard.yaml", "fp32")], modes=modes)
+norm0 = {r.name: float(r.metrics["grad_norm"].iloc[0]) for r in (tr_mixed, fsdp_hi)}
+claim(f"step 0's gradient norm is over 1 at lr {LR} as at {LR_HIGH}", min(norm0.values()) > 1, step0_norm=norm0)
 stall = compare.compare("notebooks/runs/12_trace_full_shard_low_precision", "notebooks/runs/12_trace_full_shard")
 t = stall.tensor
 claim("stalling pair: the first tensor that differs is step 0's update, bf16 against fp32, and the losses part at "
@@ -253,6 +282,10 @@ claim("clipping breaker: the first tensor that differs is the reduced gradient, 
 # %%
 acc_f, acc_d = results.load_runs("notebooks/runs/12_accum_full_shard", "notebooks/runs/12_accum_zero3")
 acc_gap = (acc_f.metrics["loss"] - acc_d.metrics["loss"]).abs()
+ran(f"both accumulation jobs: --grad-accum 2, {SHORT} steps at lr {LR_HIGH}, no --grad-clip", [acc_f, acc_d],
+    grad_accum=2, steps=SHORT, lr=LR_HIGH, grad_clip=0.0)
+acc_clip = {n: r.summary["effective"]["max_norm"] for n, r in (("FSDP", acc_f), ("DeepSpeed", acc_d))}
+claim("neither clips (DeepSpeed's engine included)", acc_clip == {"FSDP": None, "DeepSpeed": None}, max_norm=acc_clip)
 accum = {n: r.summary["effective"]["grad_accum"] for n, r in (("FSDP", acc_f), ("DeepSpeed", acc_d))}
 claim("both backends see twice the tokens per step with --grad-accum 2 (DeepSpeed's engine reports 2 steps)",
       accum == {"FSDP": 2, "DeepSpeed": 2} and acc_f.summary["tokens_per_step"] == acc_d.summary["tokens_per_step"]
@@ -260,9 +293,11 @@ claim("both backends see twice the tokens per step with --grad-accum 2 (DeepSpee
 claim("close, not bit for bit: the same first loss, then apart by more than 0 and under 1e-3",
       acc_gap.iloc[0] == 0 and 0 < acc_gap.max() < 1e-3, largest_gap=float(acc_gap.max()))
 acc = compare.compare("notebooks/runs/12_accum_full_shard", "notebooks/runs/12_accum_zero3")
-claim("the local gradients agree; the first tensors that differ are step 0's reduced gradients",
-      acc.tensor is not None and (acc.tensor.step, acc.tensor.stage) == (0, "grad_reduced"),
-      tensor=acc.report().splitlines()[0] if acc.tensor is None else (acc.tensor.step, acc.tensor.stage),
+claim("the local gradients agree; the first tensors that differ are step 0's reduced gradients as the optimizer "
+      "reads them, fp32 on both sides",
+      acc.tensor is not None and (acc.tensor.step, acc.tensor.stage, acc.tensor.dtype_a, acc.tensor.dtype_b)
+      == (0, "grad_reduced", "fp32", "fp32"), tensor=acc.report().splitlines()[0] if acc.tensor is None else
+      (acc.tensor.step, acc.tensor.stage, acc.tensor.dtype_a, acc.tensor.dtype_b),
       differing_params=None if acc.tensor is None else f"{acc.tensor.differing} of {acc.tensor.total}")
 
 # %% [markdown]
@@ -297,6 +332,10 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 from helpers.core.families import FAMILIES, KNOWN_EXCEPTIONS  # noqa: E402
 
 facts.show("deepspeed.zero3_no_sync_refused")
+types = {FAMILIES[n][0]["model_type"] for n in FAMILIES}
+claim("the guide's family configs: 20, of 19 model types (Llama tied and untied)", len(FAMILIES) == 20 and len(types)
+      == 19 and {FAMILIES[n][0].get("tie_word_embeddings") for n in ("llama", "llama_tied")} == {False, True},
+      configs=len(FAMILIES), model_types=len(types))
 
 SWEEP = list(FAMILIES) if SIZE == "full" else ["llama", "qwen2", "gemma2", "olmo2"]
 os.environ["SWEEP"] = ",".join(SWEEP)
@@ -329,17 +368,28 @@ for name in SWEEP:
                  "first differing module": f"{r['module']['phase']} {r['module']['module']}" if r["module"] else "",
                  "cause found": ",".join(c["key"] for c in r["causes"])})
 family_table = pd.DataFrame(rows).set_index("family")
-size = json.loads(Path("notebooks/runs/12_switch/runs/llama/a/config.json").read_text())["train"]
-print(f"each family: {TRACE} steps, {NPROC} ranks, {size['micro_batch']} sequences of {size['seq_len']} tokens per rank")
+fam_runs = {(n, side): results.load_run(f"notebooks/runs/12_switch/runs/{n}/{side}") for n in SWEEP for side in "ab"}
+size = fam_runs["llama", "a"].config["train"]
+ran(f"each family: {TRACE} steps, {NPROC} ranks, {size['micro_batch']} sequences of {size['seq_len']} tokens per rank",
+    fam_runs.values(), steps=TRACE, world_size=NPROC, micro_batch=size["micro_batch"], seq_len=size["seq_len"])
+pair = {side: {r.config["source"] for (_, sd), r in fam_runs.items() if sd == side} for side in "ab"}
+claim("each family ran the shipped pair: fsdp/full_shard.yaml (a) against deepspeed/zero3.yaml (b)",
+      pair == {"a": {"launch_configs/fsdp/full_shard.yaml"}, "b": {"launch_configs/deepspeed/zero3.yaml"}}, **pair)
 print(family_table.to_string())
 broken = [n for n, row in family_table.iterrows()
           if not row["bit-identical"] and row["cause found"] != KNOWN_EXCEPTIONS.get(n)]
 listed_but_same = [n for n in SWEEP if n in KNOWN_EXCEPTIONS and family_table.loc[n, "bit-identical"]]
 if nb.bitwise_parity_expected(NPROC):  # a CPU; on a GPU the sweep's jobs do not run --deterministic
     short = [n for n in SWEEP if switched[n]["steps"] != TRACE]
-    claim(f"every family swept is bit-identical under the shipped aligned pair over all {TRACE} steps, except the known "
-          "exceptions, for which switch finds the listed cause", not broken and not listed_but_same and not short,
-          unexplained=broken, listed_but_identical=listed_but_same, fewer_steps_compared=short)
+    differ = [n for n in SWEEP if not switched[n]["identical"]]
+    untraced = [n for n in SWEEP if switched[n]["identical"] and not (
+        "tensor traces: every weight, gradient and update identical" in switched[n]["report"]
+        and "activation traces: every module output and output gradient identical" in switched[n]["report"])]
+    claim(f"every family swept is bit-identical under the shipped aligned pair over all {TRACE} steps, every traced "
+          "weight, gradient, update and module output included, except OLMo-2, a known exception for which switch "
+          "finds the listed cause", not broken and not listed_but_same and not short and not untraced
+          and differ == ["olmo2"], differ=differ, unexplained=broken, listed_but_identical=listed_but_same,
+          fewer_steps_compared=short, identical_without_full_traces=untraced)
     olmo = switched["olmo2"]
     facts.show("transformers.olmo2_rotary_fp32", "torch.fsdp2_casts_unit_inputs")
     claim("OLMo-2 parts in the forward of step 0, first at layer 0's o_proj, cause: FSDP casts unit inputs",
@@ -353,6 +403,11 @@ claim("Gemma-2 trained with eager attention on both backends", [json.loads(
     for side in "ab"] == ["eager", "eager"])
 dl = json.loads(Path("notebooks/runs/12_switch_default_linear/switch.json").read_text())["models"]
 qwen, llama_default = dl["qwen2"], dl["llama"]
+lin = {n: results.load_run(f"notebooks/runs/12_switch_default_linear/runs/{n}/b") for n in ("qwen2", "llama")}
+lin_on = {n: r.summary["effective"]["memory_efficient_linear"] for n, r in lin.items()}
+claim("Qwen2 and Llama ran again under ZeRO-3 with memory_efficient_linear on: their JSON leaves it out",
+      lin_on == {"qwen2": True, "llama": True} and not any("memory_efficient_linear" in r.config["deepspeed"]["json"]
+                                                         ["zero_optimization"] for r in lin.values()), on=lin_on)
 claim("under DeepSpeed's default linear Qwen2 parts at step 1: same weights, different local gradients, first in "
       "the forward at a Linear, cause: ZeRO-3's memory_efficient_linear",
       qwen["first_step"] == 1 and (qwen["tensor"]["step"], qwen["tensor"]["stage"]) == (1, "grad_local")
@@ -360,12 +415,16 @@ claim("under DeepSpeed's default linear Qwen2 parts at step 1: same weights, dif
       and [c["key"] for c in qwen["causes"]] == ["zero3_memory_efficient_linear"],
       tensor=qwen["tensor"], module=qwen["module"])
 claim("Llama, without biases, stays identical under the same default", llama_default["identical"])
+zb = fam_runs["llama", "b"].summary
+copies = zb["memory_bytes"][0]["params"] / (2 * zb["num_params"])  # bf16: 2 bytes a parameter
+claim(f"in the sweep's llama ZeRO-3's rank 0 holds {1 + 1 / NPROC:.2f} whole copies of the params: its partition "
+      f"(1/{NPROC} of a copy) plus every weight whole", abs(copies - (1 + 1 / NPROC)) < 0.01, copies=copies,
+      params_bytes=zb["memory_bytes"][0]["params"], num_params=zb["num_params"])
 
 # %% [markdown]
 # In the settings table, ZeRO-3's rank 0 holds more than a whole copy of the params: it keeps every
 # weight under `stage3_param_persistence_threshold` whole on every rank, next to its partition,
-# and in the family sweep's llama (hidden 64, the table above) that is every weight (1.50 of a whole copy: its partition, half a
-# copy on 2 ranks, plus the whole). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
+# and in the family sweep's llama that is every weight (checked above). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
 #
 # On this CPU every family swept is bit-identical under the shipped aligned pair for the steps it
 # ran (the table), every traced weight, gradient, update and module output included, except OLMo-2. Its rotary embedding returns cos and
@@ -387,11 +446,19 @@ claim("Llama, without biases, stays identical under the same default", llama_def
 # What this machine measured (pulled from the run directories):
 
 # %%
-print(f"  DeepSpeed's implicit clip drifts up to {drift.max():.1e}; FSDP --grad-clip 1.0 matches it bitwise: "
-      f"{clip_identical}; --grad-accum 2 differs by up to {acc_gap.max():.1e}")
-print(f"  compare: stalling pair -> step {t.step} {t.stage} ({t.dtype_a} vs {t.dtype_b}); implicit clip -> "
-      f"step {c.step} {c.stage}; families bit-identical: {int(family_table['bit-identical'].sum())} of {len(SWEEP)}; "
-      f"Qwen2 with DeepSpeed's default linear parts at step {qwen['first_step']}")
+claim("DeepSpeed's clip at 1.0 when gradient_clipping is absent, and ZeRO-3's own linear on Qwen2's biased layers, "
+      "are each enough to make the runs drift", drift.iloc[-1] > 0 and qwen["first_step"] == 1
+      and not qwen["identical"], implicit_clip_drift=float(drift.max()), qwen2_parts_at_step=qwen["first_step"])
+if nb.bitwise_parity_expected(NPROC):
+    claim("with the same clipping the pair is bit-identical; even then one FSDP default (its cast of unit inputs) "
+          "parts one family of the sweep, OLMo-2", clip_identical and norms_identical and differ == ["olmo2"]
+          and [x["key"] for x in switched["olmo2"]["causes"]] == ["fsdp_casts_unit_inputs"], differ=differ,
+          families_identical=f"{int(family_table['bit-identical'].sum())} of {len(SWEEP)}")
+claim("gradient accumulation agrees closely but not bitwise", 0 < acc_gap.max() < 1e-3,
+      largest_gap=float(acc_gap.max()))
+claim("compare names where two runs part: the stalling pair's bf16 update, the implicit clip's reduced gradient",
+      (t.stage, t.dtype_a) == ("update", "bf16") and c.stage == "grad_reduced",
+      stalling_pair=(t.step, t.stage, t.dtype_a, t.dtype_b), implicit_clip=(c.step, c.stage))
 
 # %% [markdown]
 # * Parity takes explicit choices: the same reductions and starting weights, and no DeepSpeed

@@ -35,7 +35,7 @@ from helpers import facts, nb
 from helpers.core.mapping import CATEGORIES
 from helpers.job import ops
 from helpers.nb import plots, results, tables
-from helpers.nb.claims import claim, step_times, timing
+from helpers.nb.claims import claim, ran, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 4 if SIZE == "quick" else 10
@@ -191,6 +191,15 @@ RUNS = {label: results.load_run(f"notebooks/runs/13_{path.split('/')[1]}") for l
         if NVME_OK or "nvme" not in path}
 BASE = {label: RUNS["FSDP, no offload" if label.startswith("FSDP") else "DeepSpeed, no offload"] for label in RUNS}
 print(f"{len(RUNS)} runs loaded" + ("" if NVME_OK else f" (NVMe skipped: {NVME_STATE})"))
+ran(f"every run trains the tiny model for {STEPS} steps on {NPROC} ranks, with notebook 03's data and batch", RUNS.values(),
+    model="tiny", steps=STEPS, world_size=NPROC, seed=0, micro_batch=8, seq_len=64)
+claim("each run used the config the table names", all(r.summary["config"] == f"launch_configs/{CONFIGS[label]}.yaml"
+                                                      for label, r in RUNS.items()))
+reused = {label: r.summary["reused_from"] for label, r in RUNS.items() if r.summary["reused_from"]}
+claim("each reused run is notebook 03's run of the same config, the same job as the one on disk now (job key: "
+      "flags, ranks, code)", all(src == f"notebooks/runs/03_{CONFIGS[label].split('/')[1]}"
+                                 and results.load_run(src).summary["job_key"] == RUNS[label].summary["job_key"]
+                                 for label, src in reused.items()), reused=list(reused))
 
 # %% [markdown]
 # ## 1 · What NVMe puts where
@@ -239,6 +248,11 @@ if NVME_OK:
         claim("no param partition of the tiny model reaches the NVMe minimum, and none is on disk: "
               "the partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
                                                        and "host" in places("DeepSpeed NVMe", "params", r) for r in R))
+        piece = 4 * -(-max(tiny["numel"].values()) // NPROC)  # the largest parameter's fp32 gradient piece per rank
+        claim("every parameter's fp32 gradient piece is under the NVMe minimum, so all of them wait in host memory: "  # fact: deepspeed.nvme_small_grads_wait_in_host
+              "no gradient byte is on disk", piece < NVME_MIN
+              and all(places("DeepSpeed NVMe", "grads", r) == {"host"} for r in R),
+              largest_piece_MiB=piece / 2**20, minimum_MiB=NVME_MIN / 2**20)
     else:  # e.g. small: partitions over the minimum are swapped out at the build, then read back (max_in_cpu)
         claim("no param partition is on disk after the build (offload_param.max_in_cpu at its default): the "  # fact: deepspeed.nvme_params_read_back_max_in_cpu
               "partitions are in host memory", all("disk" not in places("DeepSpeed NVMe", "params", r)
@@ -252,14 +266,26 @@ if NVME_OK:
 
 # %%
 if NVME_OK:
+    import tempfile
+
     nvme = RUNS["DeepSpeed NVMe"]
-    files = sorted((nvme.path / "nvme_swap" / "zero_stage_3").glob("*/rank0/*.swp"))
+    swap_dir = nvme.path / "nvme_swap"
+    claim("the NVMe run's swap folder is under the system temp dir, linked from the run directory as nvme_swap",
+          swap_dir.is_symlink() and swap_dir.resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()),
+          target=os.readlink(swap_dir))
+    by_rank = {r: sorted((swap_dir / "zero_stage_3").glob(f"*/rank{r}/*.swp")) for r in R}
+    files = by_rank[0]
     on_disk = sum(f.stat().st_size for f in files)
     master = RUNS["DeepSpeed, no offload"].summary["memory_bytes"][0]["master_params"]
     aligned = -(-master // AIO_ALIGNED_BYTES) * AIO_ALIGNED_BYTES
-    claim("rank 0 swaps three files, each the no-offload run's fp32 master bytes on rank 0 rounded up to the "
-          "I/O alignment", len(files) == 3 and all(f.stat().st_size == aligned for f in files),
-          file_bytes=[f.stat().st_size for f in files], master_bytes=master, aligned=aligned)
+    kinds = {r: sorted(f.name.split("-")[0] if "-" in f.name else "master" for f in fs) for r, fs in by_rank.items()}
+    disk = [sum(tables.where(nvme, c, r).get("disk", 0) for c in CATEGORIES) for r in R]
+    claim("every rank swaps three files (master, Adam's exp_avg and exp_avg_sq), each the no-offload run's fp32 "
+          "master bytes on rank 0 rounded up to the I/O alignment (over the NVMe minimum); each rank's disk bytes "
+          "are its own three files",
+          all(kinds[r] == ["exp_avg", "exp_avg_sq", "master"] and disk[r] == 3 * aligned
+              and all(f.stat().st_size == aligned for f in fs) for r, fs in by_rank.items()) and aligned >= NVME_MIN,
+          file_bytes=[f.stat().st_size for f in files], master_bytes=master, aligned=aligned, disk_bytes=disk)
     print(f"rank 0: {len(files)} swap files, {on_disk / 1e6:.1f} MB; largest: "
           + ", ".join(f"{f.parent.parent.name}/{f.name} {f.stat().st_size / 1e6:.1f} MB"
                       for f in sorted(files, key=lambda f: -f.stat().st_size)[:3]))
@@ -303,14 +329,19 @@ if NVME_OK:
           param_buffers_MB=[b["params"] / 1e6 for b in buffers], asked_MB=asked / 1e6,
           optimizer_buffers_MB=[b["optimizer"] / 1e6 for b in buffers], on_disk_MB=[d / 1e6 for d in on_disk],
           peak_MB={"NVMe": peak["DeepSpeed NVMe"] / 1e6, "no offload": peak["DeepSpeed, no offload"] / 1e6})
+    state = {label: [sum(RUNS[label].summary["memory_bytes"][r].values()) for r in R]
+             for label in ("DeepSpeed NVMe", "DeepSpeed params + optimizer")}
+    claim("the swap buffers are not in the state counts: per rank the NVMe run holds the CPU params + optimizer run's "
+          "state plus only its three swap files' alignment padding",
+          all(n - c == 3 * (aligned - master) for n, c in zip(*state.values())), state_bytes=state,
+          padding=3 * (aligned - master))
 
 # %% [markdown]
 # ## 3 · What the copies cost
 #
 # Step time of each run against the same backend without offload: the median of the steps
 # after the warm-up steps the jobs' own medians leave out, and their quartiles. Each config
-# ran once (the five of notebook 03 in its execution when reused, the NVMe run here), so a
-# ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
+# ran once, so a ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
 # and claims no cost (notebook 07 interleaves repeated runs where it claims one).
 
 # %%

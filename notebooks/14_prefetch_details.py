@@ -45,14 +45,15 @@ from helpers.core.config import load_job_config
 from helpers.core.models import resolve_model
 from helpers.job import wrap
 from helpers.nb import plots, results, traces
-from helpers.nb.claims import claim
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
 GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
 MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
 BATCH = "--micro-batch 4 --seq-len 32" if SIZE == "quick" else "--micro-batch 8 --seq-len 64"
-ARGS = f"--model {MODEL} --steps 4 {BATCH} --profile"  # --profile records steps 2 and 3
+STEPS = 4
+ARGS = f"--model {MODEL} --steps {STEPS} {BATCH} --profile"  # --profile records steps 2 and 3
 os.environ.update(NPROC=str(NPROC), ARGS=ARGS, SIZE=SIZE)
 print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, gloo'}); {ARGS}")
 
@@ -66,6 +67,24 @@ print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, g
 PF = {"FSDP no prefetch": "14_full_shard_no_prefetch", "FSDP prefetch": "14_full_shard_prefetch",
       "ZeRO-3 no prefetch": "14_zero3_no_prefetch", "ZeRO-3 prefetch": "14_zero3_prefetch"}
 pf = {k: results.load_run(f"notebooks/runs/{v}") for k, v in PF.items()}
+
+
+def profiled(runs, what):
+    """Claim the jobs' setup: short, profiled (a trace per rank of steps 2 and 3), and the configs the table names."""
+    ran(f"{what}: {STEPS} steps of {MODEL}, each rank tracing steps 2 and 3", runs.values(), model=MODEL,
+        steps=STEPS, world_size=NPROC, dist_backend="nccl" if GPUS else "gloo", profiled_steps=[2, 3])
+    claim(f"{what}: every rank wrote its trace, and each job ran its table row's config",
+          all((r.path / f"trace_rank{i}.json").exists() for r in runs.values() for i in range(NPROC))
+          and all(r.summary["config"].endswith(f"/{r.name[3:]}.yaml") for r in runs.values()),
+          configs=[r.summary["config"] for r in runs.values()])
+
+
+profiled(pf, "notebook 04's four settings")
+twin = {k: results.load_run(f"notebooks/runs/04{v[2:]}") for k, v in PF.items()
+        if pf[k].summary["reused_from"] is not None}
+claim("a job reused from notebook 04 names its twin there and has its losses; the others ran here",
+      all(pf[k].summary["reused_from"] == str(t.path) and pf[k].summary["losses"] == t.summary["losses"]
+          for k, t in twin.items()), reused=sorted(twin), ran_here=sorted(set(pf) - set(twin)))
 
 # %% [markdown]
 # ## 1 · The unit choice: what FSDP asks you and DeepSpeed does not
@@ -120,6 +139,13 @@ utab.insert(3, "expected_reduce_scatters", [wrap.expected_collectives(u, True)["
                                            for u in units.values()] + [None, None])
 utab = utab.astype({c: "Int64" for c in ("units", "expected_all_gathers", "expected_reduce_scatters")})  # counts
 utab["MB_per_all_gather"] = utab.all_gather_MB / utab.all_gathers
+profiled({k: r for k, r in wr.items() if k != "transformer blocks"}, "the three other FSDP unit choices")
+fwd = {k: r.config["fsdp"]["forward_prefetch"] for k, r in wr.items()}
+claim("of the four unit choices only the transformer-blocks row (04's prefetch config) sets forward prefetch",
+      fwd == {k: k == "transformer blocks" for k in wr}, forward_prefetch=fwd)
+head = [u for u in units["size-based"] if u.name == "lm_head"]
+claim("SIZE_BASED_WRAP makes lm_head a unit that reshards like any other", len(head) == 1 and head[0].reshard,
+      lm_head=head)
 print("\n".join(ln for ln in (wr["size-based"].path / "log.txt").read_text().splitlines()
                 if ln.startswith("note: fsdp_auto_wrap_policy")))  # where the guide differs, the job said so
 utab.round(3)
@@ -144,28 +170,29 @@ fig.tight_layout()
 rows = utab.loc[list(wr)]
 want_mb = {k: wrap.expected_collectives(u, wr[k].config["fsdp"]["reshard_after_forward"])["all_gather_bytes"] / 1e6
            for k, u in units.items()}
-claim("every unit choice's collectives are exactly what its units predict, in count and in bytes gathered",
-      (rows.all_gathers == rows.expected_all_gathers).all()
-      and (rows.reduce_scatters == rows.expected_reduce_scatters).all()
-      and all(abs(rows.all_gather_MB[k] - want_mb[k]) < 1e-3 for k in rows.index),
+exact = ((rows.all_gathers == rows.expected_all_gathers).all()
+         and (rows.reduce_scatters == rows.expected_reduce_scatters).all()
+         and all(abs(rows.all_gather_MB[k] - want_mb[k]) < 1e-3 for k in rows.index))
+claim("every unit choice's collectives are exactly what its units predict, in count and in bytes gathered", exact,
       all_gathers=rows.all_gathers.astype(int).to_dict(), expected=rows.expected_all_gathers.astype(int).to_dict(),
       all_gather_MB=rows.all_gather_MB.round(3).to_dict(), expected_MB={k: round(v, 3) for k, v in want_mb.items()})
-claim("smaller units mean more, smaller all-gathers (size-based against transformer blocks)",
-      utab.loc["size-based", "units"] > utab.loc["transformer blocks", "units"]
-      and utab.loc["size-based", "MB_per_all_gather"] < utab.loc["transformer blocks", "MB_per_all_gather"],
+smaller = (utab.loc["size-based", "units"] > utab.loc["transformer blocks", "units"]
+           and utab.loc["size-based", "MB_per_all_gather"] < utab.loc["transformer blocks", "MB_per_all_gather"])
+claim("smaller units mean more, smaller all-gathers (size-based against transformer blocks)", smaller,
       units=utab.units[:2].to_dict(), MB_per_gather=utab.MB_per_all_gather[:2].round(4).to_dict())
 blocks_mb = units["no wrap"][-1].num_params * 2 / 1e6  # the root: all decoder blocks
 model_mb = sum(u.num_params for u in units["transformer blocks"]) * 2 / 1e6  # the whole model in bf16
+root_all = (utab.loc["no wrap", "units"] == 3
+            and abs(utab.loc["no wrap", "largest_all_gather_MB"] - blocks_mb) < 1e-3 and blocks_mb > 0.5 * model_mb)
 claim("without policy units there are 3 units (embedding, norm + head, the root) and the root gathers every "
-      "decoder block at once", utab.loc["no wrap", "units"] == 3
-      and abs(utab.loc["no wrap", "largest_all_gather_MB"] - blocks_mb) < 1e-3 and blocks_mb > 0.5 * model_mb,
+      "decoder block at once", root_all,
       largest_gather_MB=utab.loc["no wrap", "largest_all_gather_MB"], blocks_MB=blocks_mb)
 pft = traces.collective_table([pf["FSDP no prefetch"], pf["FSDP prefetch"]], labels=["no prefetch", "prefetch"])
 claim("FSDP's counts do not depend on prefetch (so the other unit choices' counts compare with the blocks row)",
       (pft.all_gathers.nunique(), pft.reduce_scatters.nunique()) == (1, 1),
       all_gathers=pft.all_gathers.astype(int).to_dict(), reduce_scatters=pft.reduce_scatters.astype(int).to_dict())
-claim("not resharding after forward saves the backward gathers",
-      utab.loc["blocks, no reshard", "all_gathers"] < utab.loc["transformer blocks", "all_gathers"],
+no_reshard = utab.loc["blocks, no reshard", "all_gathers"] < utab.loc["transformer blocks", "all_gathers"]
+claim("not resharding after forward saves the backward gathers", no_reshard,
       no_reshard=int(utab.loc["blocks, no reshard", "all_gathers"]),
       reshard=int(utab.loc["transformer blocks", "all_gathers"]))
 log = (wr["size-based"].path / "log.txt").read_text()
@@ -196,8 +223,9 @@ for name, r in pf.items():
     print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
           f"{by_op.sum():7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it in the backward nodes "
           f"above {hooks:6.1f} ms")
+waiting = bool(hook_share) and all(v > 0.25 for v in hook_share.values())
 claim("wherever rank 0 both computed and communicated for over 1 ms, a good part of that time (over a quarter) "
-      "fell inside an autograd node that waits on the collective", all(v > 0.25 for v in hook_share.values()),
+      "fell inside an autograd node that waits on the collective", waiting,
       share_in_those_nodes=hook_share)
 
 # %% [markdown]
@@ -241,17 +269,24 @@ claim("wherever rank 0 both computed and communicated for over 1 ms, a good part
 # %%
 if SIZE == "full":
     comp = {k: results.load_run(f"notebooks/runs/14_compile_{k}") for k in ("full_shard", "zero3")}
+    ran("the compiled pair: 6 steps of the tiny model each, compiled", comp.values(), model="tiny", steps=6,
+        compile=True, world_size=NPROC)
+    claim("the compiled pair ran the table's two configs", [r.summary["config"] for r in comp.values()]
+          == ["launch_configs/fsdp/full_shard.yaml", "launch_configs/deepspeed/zero3.yaml"])
     for k, r in comp.items():
         t = r.metrics.step_time_s
         print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s (steps 1-5); "
               f"final loss {r.summary['final_loss']:.4f}")
     f, d = (comp[k].summary["losses"] for k in ("full_shard", "zero3"))
+    alike = all(abs(a - b) < 2e-2 for a, b in zip(f, d))
     claim("compiled FSDP and DeepSpeed train alike (within 0.02 per step; uncompiled they are bit-identical, "
           "notebook 02; compiled, each side runs its own graphs: per block vs the whole engine)",
-          all(abs(a - b) < 2e-2 for a, b in zip(f, d)), max_gap=max(abs(a - b) for a, b in zip(f, d)))
-    claim("the compiled runs learn", f[-1] < f[0] - 0.5, first=f[0], last=f[-1])
-    claim("the first step carries the compile time (over 3x the median of the rest)",
-          all(r.metrics.step_time_s.iloc[0] > 3 * r.metrics.step_time_s.iloc[1:].median() for r in comp.values()),
+          alike, max_gap=max(abs(a - b) for a, b in zip(f, d)))
+    learn = all(x[-1] < x[0] - 0.5 for x in (f, d))
+    claim("both compiled runs learn (loss down by over 0.5)", learn, fsdp=[f[0], f[-1]], deepspeed=[d[0], d[-1]])
+    slow_first = all(r.metrics.step_time_s.iloc[0] > 3 * r.metrics.step_time_s.iloc[1:].median()
+                     for r in comp.values())
+    claim("the first step carries the compile time (over 3x the median of the rest)", slow_first,
           first_over_median={k: round(r.metrics.step_time_s.iloc[0] / r.metrics.step_time_s.iloc[1:].median(), 1)
                              for k, r in comp.items()})
     facts.show("torch.dynamo_recompile_limit")
@@ -259,9 +294,10 @@ if SIZE == "full":
     gave_up = {k: re.findall(r"recompile_limit.*\n.*function: '(\w+)' \(([^:]+)",
                              Path(f"notebooks/runs/14_compile_{k}.stderr").read_text()) for k in comp}
     print({k: sorted({f"{name} ({Path(f).parent.name}/{Path(f).name})" for name, f in v}) for k, v in gave_up.items()})
+    only_zero = (bool(gave_up["zero3"]) and all("deepspeed/runtime/zero/" in f for _, f in gave_up["zero3"])
+                 and not gave_up["full_shard"])
     claim("ZeRO-3's per-module hooks (DeepSpeed's zero/ code) hit dynamo's recompile limit, and nothing else did; "
-          "FSDP's run never hit it", gave_up["zero3"] and all("deepspeed/runtime/zero/" in f for _, f in gave_up["zero3"])
-          and not gave_up["full_shard"], warnings={k: len(v) for k, v in gave_up.items()})
+          "FSDP's run never hit it", only_zero, warnings={k: len(v) for k, v in gave_up.items()})
 else:
     print("skipped at GUIDE_SIZE=quick")
 
@@ -269,16 +305,20 @@ else:
 # ## Recap: measured on this machine
 
 # %%
-print(f"model {MODEL}, {NPROC} ranks, {'GPU' if GPUS else 'CPU (gloo)'}")
+ran(f"model {MODEL}, {NPROC} ranks, {'GPU (nccl)' if GPUS else 'CPU (gloo)'}",
+    [*pf.values(), *(r for k, r in wr.items() if k != "transformer blocks")],  # that one is pf's "FSDP prefetch"
+    model=MODEL, world_size=NPROC, dist_backend="nccl" if GPUS else "gloo")
 print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers" for k in wr))
+claim("each FSDP unit choice's collectives are exactly what its units predict: smaller units mean more, smaller "
+      "gathers; without policy units the root gathers every block at once; not resharding after forward saves the "
+      "backward gathers", exact and smaller and root_all and no_reshard)
+claim("on gloo, wherever rank 0 both computed and communicated for over 1 ms, over a quarter of that time was inside "
+      "an autograd node that waits on the collective: that part is not overlap", waiting)
+if SIZE == "full":
+    claim("compiled, both backends train and stay close; the first step carries the compile time, and only ZeRO-3's "
+          "hooks hit dynamo's recompile limit", alike and learn and slow_first and only_zero)
+else:
+    print("compiled pair: skipped at GUIDE_SIZE=quick")
 
 # %% [markdown]
-# * Each FSDP unit choice's collectives are exactly what its units predict: smaller units mean
-#   more, smaller gathers; without policy units the root gathers every block at once; not
-#   resharding after forward saves the backward gathers.
-# * On gloo, wherever rank 0 both computed and communicated for over 1 ms, over a quarter of that
-#   time was inside an autograd node that waits on the collective: that part is not overlap.
-# * Compiled, both backends train and stay close; the first step carries the compile time, and
-#   only ZeRO-3's hooks hit dynamo's recompile limit (full size only).
-#
 # Back to the path: `05_loading`.

@@ -86,11 +86,27 @@ claim(f"the job failed on the killed rank, whose save left only .step_{3 * K}.tm
       and refused is not None and "partial checkpoint" in refused
       and [checkpoint.read_meta(fsdp_dir / f"step_{s}")["step"] for s in (K, 2 * K)] == [K, 2 * K],
       reason=failed["reason"], refused=refused)
+claim(f"that FSDP job trained {MODEL} on {NPROC} ranks for {3 * K} steps, saving every {K}",
+      (failed["backend"], failed["model"], failed["world_size"], failed["steps"]) == ("fsdp", MODEL, NPROC, 3 * K)
+      and [c["step"] for c in failed["checkpoints"]] == [K, 2 * K], saved=[c["step"] for c in failed["checkpoints"]])
 
 # %%
 fsdp_losses = [json.loads(x)["loss"] for x in Path("notebooks/runs/16_fsdp/metrics.jsonl").read_text().splitlines()]
 ds = results.load_run("notebooks/runs/16_ds")
 gap = max(abs(a - b) for a, b in zip(ds.summary["losses"], fsdp_losses[K:2 * K], strict=True))
+
+
+def converted_from(ck):  # the checkpoint the converter read to write ck
+    return json.loads((ck / ("conversion.json" if ck.name == "hf" else "meta.json")).read_text())["converted_from"]
+
+
+claim(f"from the FSDP job's step-{K} checkpoint, converted, a ZeRO-3 job on {NPROC} ranks ran steps {K}..{2 * K - 1} "
+      f"and saved at step {2 * K}",
+      ds.summary["resumed_from"]["path"] == str(CK / "to_ds" / f"step_{K}")
+      and converted_from(CK / "to_ds" / f"step_{K}") == str(fsdp_dir / f"step_{K}")
+      and ds.summary["mode_key"] == "zero3" and ds.summary["world_size"] == NPROC
+      and ds.metrics.step.tolist() == list(range(K, 2 * K)) and [c["step"] for c in ds.summary["checkpoints"]] == [2 * K],
+      resumed_from=ds.summary["resumed_from"]["path"])
 if nb.bitwise_parity_expected(NPROC):
     claim(f"the DeepSpeed job, resumed from FSDP's step {K}, has FSDP's losses at steps {K}..{2 * K - 1}, bit for bit",
           ds.summary["losses"] == fsdp_losses[K:2 * K], losses=ds.summary["losses"])
@@ -134,6 +150,13 @@ one = {name: results.load_run(f"notebooks/runs/16_{name}_1") for name in ("univ"
 print({k: (r.summary["resumed_from"]["format"], r.summary["world_size"]) for k, r in one.items()})
 routes = ([r.summary["resumed_from"]["format"] for r in one.values()] == ["universal", "full", "sharded"]
           and all(r.summary["world_size"] == 1 for r in one.values()))
+src = {k: Path(r.summary["resumed_from"]["path"]) for k, r in one.items()}
+claim(f"all three 1-rank jobs resumed from step {2 * K}: two from DeepSpeed's {NPROC}-rank checkpoint, converted "
+      "(universal; the guide's --to deepspeed), one from FSDP's own DCP files",
+      routes and all(r.summary["resumed_from"]["step"] == 2 * K for r in one.values())
+      and [converted_from(src[k]) for k in ("univ", "conv")] == [str(CK / "ds" / f"step_{2 * K}")] * 2
+      and all(checkpoint.read_meta(src[k])["world_size"] == NPROC for k in ("univ", "conv"))
+      and src["dcp"] == fsdp_dir / f"step_{2 * K}", resumed_from={k: str(v) for k, v in src.items()})
 spread = max(max(s) - min(s) for s in zip(*(r.summary["losses"] for r in one.values()), strict=True))
 if nb.bitwise_parity_expected(NPROC):
     claim(f"on 1 rank, DeepSpeed's universal route, the guide's conversion and FSDP's own DCP files give the same "
@@ -144,8 +167,10 @@ else:
     claim(f"on 1 rank, the three routes' losses over steps {2 * K}..{3 * K - 1} are within 1e-2 of each other (GPU)",
           routes and spread < 1e-2, max_difference=spread)
 two = fsdp_losses[2 * K:3 * K]  # the 2-rank FSDP job of section 1 trained these steps before its killed save
-claim("they continue differently from the 2-rank job (another global batch): every step's loss differs",
-      len(two) == K and all(abs(a - b) > 1e-6 for a, b in zip(one["dcp"].summary["losses"], two, strict=True)),
+claim("they continue differently from the 2-rank job (a smaller global batch): every step's loss differs",
+      len(two) == K and all(abs(a - b) > 1e-6 for a, b in zip(one["dcp"].summary["losses"], two, strict=True))
+      and one["dcp"].summary["tokens_per_step"] < failed["tokens_per_step"],
+      tokens_per_step=[one["dcp"].summary["tokens_per_step"], failed["tokens_per_step"]],
       one_rank=[round(x, 4) for x in one["dcp"].summary["losses"]], two_ranks=[round(x, 4) for x in two])
 
 # %% [markdown]
@@ -187,8 +212,9 @@ claim("weights for inference agree: zero_to_fp32's fp32 weights equal the guide'
       all(torch.equal(z2f[k], t) and torch.equal(b16[k], t.bfloat16()) for k, t in ours.items()),
       tensors=len(ours))
 hf = AutoModelForCausalLM.from_pretrained(CK / "hf", dtype=torch.float32)
-claim(f"transformers loads the export as {type(hf).__name__}, every tensor equal to the guide's reading",
-      all(torch.equal(p, ours[name]) for name, p in hf.named_parameters()),
+claim(f"transformers loads the export (written from step {2 * K}'s DeepSpeed checkpoint) as {type(hf).__name__}, "
+      "every tensor equal to the guide's reading",
+      converted_from(CK / "hf") == str(ds_ck) and all(torch.equal(p, ours[name]) for name, p in hf.named_parameters()),
       params_M=sum(p.numel() for p in hf.parameters()) / 1e6)
 export = load_file(CK / "hf" / "model.safetensors")
 per_param = (CK / "hf" / "model.safetensors").stat().st_size / ds.summary["num_params"]

@@ -27,17 +27,15 @@
 # bf16 instructions a CPU has.
 
 # %%
-import json
 import os
-from pathlib import Path
 
 import pandas as pd
 import torch
 
 from helpers import facts, nb
 from helpers.job.observe import throughput
-from helpers.nb import plots
-from helpers.nb.claims import claim
+from helpers.nb import plots, results
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()
 QUICK = SIZE == "quick"
@@ -92,8 +90,36 @@ if not GPUS:
 
 # %%
 size = pd.read_csv("notebooks/runs/17_size.csv")
+PAIR_CONFIGS = {"fsdp": "launch_configs/fsdp/full_shard_low_precision.yaml",
+                "deepspeed": "launch_configs/deepspeed/zero3_fp32.yaml"}
+
+
+def read_back(csv, what):
+    """The CSV's jobs, after checking each row is its run's summary; the ran() check of the sweep's setup."""
+    runs = results.load_runs(*csv.run)
+    claim(f"{what}: each CSV row is a real job's summary, one per backend and point, the plain fp32 pair's configs",
+          len(set(zip(csv.backend, csv.model, csv.world_size))) == len(csv) == len(PAIR_CONFIGS) * len(
+              set(zip(csv.model, csv.world_size))) and set(csv.backend) == set(PAIR_CONFIGS)
+          and all(r.summary["config"] == PAIR_CONFIGS[r.backend] and (row.backend, row.model, row.world_size)
+                  == (r.backend, r.summary["model"], r.summary["world_size"])
+                  and abs(row.mfu / r.summary["mfu"] - 1) < 1e-9 for row, r in zip(csv.itertuples(), runs, strict=True)),
+          jobs=len(runs))
+    ran(f"{what}: 5 steps of 2 sequences of 64 tokens per rank, fp32 weights, no mixed precision", runs, steps=5,
+        micro_batch=2, seq_len=64, model_dtype="fp32", mixed_precision="no",
+        dist_backend="nccl" if GPUS else "gloo")
+    return runs
+
+
+size_runs = read_back(size, "size sweep")
+claim(f"{', '.join(SIZES)} on both backends, each at {NPROC} ranks",
+      sorted(zip(size.backend, size.model)) == sorted((b, m) for b in PAIR_CONFIGS for m in SIZES)
+      and set(size.world_size) == {NPROC})
 print(f"the fp32 jobs measured peaks of {throughput.fmt_flops(size.peak_flops.min())} to "
       f"{throughput.fmt_flops(size.peak_flops.max())} per rank")
+claim("each MFU is against its own job's peak" + ("" if GPUS else f", {len(size)} different measured values"),
+      all(abs(r.summary["flops_per_token"] * r.summary["tokens_per_s_per_rank"] / r.summary["peak_flops"]
+              / r.summary["mfu"] - 1) < 1e-9 for r in size_runs)
+      and (GPUS or size.peak_flops.nunique() == len(size)))
 size[["backend", "model", "num_params", "flops_per_token", "step_time_s", "tokens_per_s_per_rank", "mfu"]].round(3)
 
 # %%
@@ -112,11 +138,13 @@ by = size.set_index(["backend", "model"])
 COLS = ("fsdp", "deepspeed")
 mfu = {b: [round(float(by.loc[(b, m), "mfu"]), 3) for m in SIZES] for b in COLS}
 toks = {b: [round(float(by.loc[(b, m), "tokens_per_s_per_rank"]), 1) for m in SIZES] for b in COLS}
-claim(f"on both backends each larger size processes fewer tokens per second ({' > '.join(SIZES)})",
-      all(all(x > y for x, y in zip(v, v[1:])) for v in toks.values()), tokens_per_s=toks)
+flops = [int(by.loc[("fsdp", m), "flops_per_token"]) for m in SIZES]
+claim(f"on both backends each larger size ({' < '.join(SIZES)}) has more FLOPs per token and processes fewer tokens "
+      "per second", flops == sorted(set(flops)) and all(all(x > y for x, y in zip(v, v[1:])) for v in toks.values()),
+      flops_per_token=flops, tokens_per_s=toks)
 claim(f"and uses the core better: MFU is higher for every larger size than for tiny ({', '.join(SIZES[1:])})",
       all(min(v[1:]) > v[0] for v in mfu.values()), mfu_by_size=mfu)
-jobs = [json.loads((Path(r) / "summary.json").read_text()) for r in size.run]
+jobs = [r.summary for r in size_runs]
 claim("every job trained the plain fp32 pair (no mixed precision, fp32 weights in forward)"
       + ("" if GPUS else " and counted MFU against a peak it measured with an fp32 matmul"),
       all(j["mixed_precision"] == "no" and j["dtypes"]["forward_weight"] == "fp32"
@@ -154,9 +182,15 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 
 # %%
 facts.show("torch.fsdp2_collective_counts", "torch.adamw_foreach_false_loops", "deepspeed.zero3_steps_one_flat_partition")
-ranks = pd.concat([pd.read_csv("notebooks/runs/17_ranks.csv"),
-                   size[(size.model == RANKS_MODEL) & (size.world_size == NPROC)]]).sort_values("world_size")
+extra = pd.read_csv("notebooks/runs/17_ranks.csv")
+ranks = pd.concat([extra, size[(size.model == RANKS_MODEL) & (size.world_size == NPROC)]]).sort_values("world_size")
 ranks = ranks.reset_index(drop=True)
+rank_runs = read_back(ranks, "rank sweep")
+claim(f"{RANKS_MODEL} on {RANK_SWEEP} ranks, both backends; the {NPROC}-rank point is the size sweep's job, not run twice",
+      sorted(zip(ranks.backend, ranks.world_size)) == sorted((b, n) for b in PAIR_CONFIGS for n in RANK_SWEEP)
+      and set(ranks.model) == {RANKS_MODEL} and NPROC not in set(extra.world_size)
+      and all(r.startswith("notebooks/runs/17_size/") for r in ranks[ranks.world_size == NPROC].run),
+      world_sizes=sorted(set(ranks.world_size)))
 print(f"the jobs of this sweep measured peaks of {throughput.fmt_flops(ranks.peak_flops.min())} to "
       f"{throughput.fmt_flops(ranks.peak_flops.max())} per rank (MFU is against each job's own)")
 fig, (left, right) = plots.plt.subplots(1, 2)
@@ -181,15 +215,20 @@ for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a
     # verdict needs repeated, interleaved runs: helpers.nb.claims.timing_runs)
     print(f"{backend}: 4 ranks over 2, per rank {four.tokens_per_s_per_rank / two.tokens_per_s_per_rank:.2f}x, "
           f"all ranks {four.tokens_per_s / two.tokens_per_s:.2f}x (one short job each)")
-if not GPUS:
-    print(f"at 4 ranks on {CORES} cores: {4 / CORES:g} ranks per core")
+at_four = [r for r in rank_runs if r.summary["world_size"] == 4]
+if not GPUS and CORES < 4:
+    claim(f"at 4 ranks of one thread each (as their peaks record) on {CORES} cores: {4 / CORES:g} ranks per core, "
+          "so ranks share a core", len(at_four) == 2 and all(r.summary["device"] == "cpu" and "1 thread(s)" in
+                                                             r.summary["peak_flops_source"] for r in at_four))
+elif not GPUS:
+    print(f"at 4 ranks on {CORES} cores: no core shared")
 
 # %% [markdown]
-# **What it means.** On this 2-core machine, 4 ranks are two ranks per core on average (printed
-# above), so ranks share a core's peak. How much of the per-rank ratio above is that sharing is not measured here
-# (our reading: it depends on how long a rank waits in collectives, leaving the core to the
-# other); the ratios above come from one short job each, so no speed conclusion is drawn from
-# them. On a GPU node every rank has its own device.
+# **What it means.** Here 4 ranks share the cores (checked above), so ranks share a core's
+# peak. How much of the per-rank ratio above is that sharing is not measured here (our reading:
+# it depends on how long a rank waits in collectives, leaving the core to the other); the ratios
+# above come from one short job each, so no speed conclusion is drawn from them. On a GPU node
+# every rank has its own device.
 #
 # ## Recap
 #

@@ -34,14 +34,17 @@ import os
 import statistics
 from argparse import Namespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import yaml
 
 from helpers import estimate as est
 from helpers import nb
+from helpers.core.config import load_job_config
+from helpers.core.mapping import MODES
 from helpers.nb import plots, results, walk
-from helpers.nb.claims import claim, step_times, timing
+from helpers.nb.claims import claim, in_turn, ran, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: shorter timing runs
 GPUS = nb.gpu_count()
@@ -125,6 +128,47 @@ claim("every run either completed within the budget or was stopped by it (none f
       not walk.failures(WALK), failed_otherwise=walk.failures(WALK))
 
 
+def job(name):  # a run's summary.json and config.json, also when the budget stopped it
+    d = RUNS / f"18_{name}"
+    return SimpleNamespace(name=name, **{k: json.loads((d / f"{k}.json").read_text()) for k in ("summary", "config")})
+
+
+def walked(runs, start):  # began at start, moved one sequence a job, ended with a fit next to a miss
+    bs, top = sorted(runs), walk.largest(runs)
+    return (max(start, 1) in runs and bs == [*range(bs[0], bs[-1] + 1)] and top + 1 in runs
+            and not runs[top + 1]["memory_budget_fits"])
+
+
+def completed_in_08(name):  # the job key of notebook 08's completed run of this name, else None
+    f = RUNS / f"08_{name}" / "summary.json"
+    s = json.loads(f.read_text()) if f.exists() else {}
+    return s.get("job_key") if s.get("status") == "completed" else None
+
+
+JOBS = {n: job(n) for n in PLAN}
+ran(f"every walk job trained {MODEL} at sequence {SEQ} for two steps on {NPROC} ranks under the budget"
+    + ("" if GPUS else ", its peak from the profiler's allocator events"), JOBS.values(), model=MODEL, seq_len=SEQ,
+    steps=2, world_size=NPROC, memory_budget_bytes=int(BUDGET_GIB * 2**30),
+    **({} if GPUS else {"peak_tensor_source": "profiler memory events (CPU allocator)"}))
+kind = {n: j.summary["activation_checkpointing"] or "" for n, j in JOBS.items()}  # what the job turned on
+claim("each row ran its config, checkpointing on exactly in the checkpointed rows: FSDP's from "
+      "fsdp_activation_checkpointing, DeepSpeed's the model's own gradient checkpointing, from zero3_ac.json's section; "
+      "DeepSpeed's reduce_bucket_size is BUCKET", all(j.summary["config"] == PLAN[n][2] and bool(kind[n]) == PLAN[n][1]
+                                                        for n, j in JOBS.items())
+      and all(j.config["fsdp"]["activation_checkpointing"] == PLAN[n][1] for n, j in JOBS.items() if j.config["fsdp"])
+      and all(("gradient_checkpointing" in kind[n]) == ("activation_checkpointing" in j.config["deepspeed"]["json"])
+              == PLAN[n][1] and j.config["deepspeed"]["json"]["zero_optimization"]["reduce_bucket_size"] == BUCKET
+              for n, j in JOBS.items() if j.config["deepspeed"]), checkpointing=sorted(set(kind.values()) - {""}))
+claim("each row started at its predicted batch and moved one sequence a job until a batch that fits sat next to one "
+      "that does not", all(walked(WALK[k], ROWS[k][3]) for k in ROWS), jobs={k: sorted(v) for k, v in WALK.items()})
+reused = sorted(n for n, j in JOBS.items() if j.summary["reused_from"])
+claim("the jobs copied from notebook 08 are exactly those it completed with the same key (flags, ranks, code); the ones "
+      "it saw stopped by the budget, and DeepSpeed's row, ran again",
+      reused == sorted(n for n, j in JOBS.items() if completed_in_08(n) == j.summary["job_key"])
+      and all(JOBS[n].summary["reused_from"] == str(RUNS / f"08_{n}") and JOBS[n].config["fsdp"] for n in reused),
+      reused=reused)
+
+# %%
 rows = []
 for label in METHODS:
     for ac in (False, True):
@@ -144,8 +188,8 @@ if not GPUS:
     ds_rows = TABLE["method"] == DS
     gap = TABLE["predicted"] - TABLE["largest (runs)"]
     claim("every FSDP prediction is within two micro-batches of the runs' answer; DeepSpeed ZeRO-3's are at or above "
-          "it (the estimator counts fewer bytes than its runs hold: the peaks table below)",
-          gap[~ds_rows].abs().max() <= 2 and (gap[ds_rows] >= 0).all(),
+          "it, by at most three (the estimator counts fewer bytes than its runs hold: the peaks table below)",
+          gap[~ds_rows].abs().max() <= 2 and gap[ds_rows].between(0, 3).all(),
           fsdp_predicted_minus_runs=gap[~ds_rows].tolist(), deepspeed=gap[ds_rows].tolist())
 
 # %% [markdown]
@@ -186,6 +230,15 @@ claim("and by the same bytes per sequence, within 1%, whatever the sharding", ma
 # %%
 TIMED = {c: [results.load_run(RUNS / f"18_time_{c}_{rep}") for rep in (1, 2)] for c in ("full_shard", "full_shard_ac")}
 plain, ckpt = TIMED["full_shard"], TIMED["full_shard_ac"]
+ran(f"four timing runs, all at micro-batch {TIME_BATCH}, {TIME_STEPS} steps each on {NPROC} ranks ({MODEL})",
+    plain + ckpt, model=MODEL, seq_len=SEQ, micro_batch=TIME_BATCH, steps=TIME_STEPS, world_size=NPROC)
+in_turn("they ran interleaved, each after the previous one ended: plain, checkpointed, plain, checkpointed",
+        [plain[0], ckpt[0], plain[1], ckpt[1]])
+claim("two ran FULL_SHARD without checkpointing, two with it; every step after the two warm-up steps is timed",
+      all(r.summary["config"] == f"launch_configs/fsdp/{c}.yaml" and bool(r.summary["activation_checkpointing"]) == ac
+          for c, ac in (("full_shard", False), ("full_shard_ac", True)) for r in TIMED[c])
+      and all(len(step_times(r)) == TIME_STEPS - 2 for r in plain + ckpt),
+      timed_steps=[len(step_times(r)) for r in plain + ckpt])
 if nb.bitwise_repeat_expected():  # a CPU; on a GPU only with --deterministic (see nb.bitwise_repeat_expected)
     claim("the losses with checkpointing are identical to those without, step by step, bit for bit",
           all(a.metrics["loss"].tolist() == b.metrics["loss"].tolist() for a, b in zip(plain, ckpt)),
@@ -237,7 +290,10 @@ pairs = [(x, y) for c in ("full_shard", "full_shard_ac")  # the same job twice, 
 repeat = max(abs(x - y) / min(x, y) for x, y in pairs)
 print(f"median |error| {median:.2f}% over {len(PEAKS)} runs; the same job twice (the timing runs), per rank: "
       f"{[(round(x / 2**20, 2), round(y / 2**20, 2)) for x, y in pairs]} MiB, {100 * repeat:.2f}% apart at most")
-claim("the median error is within 10%", median <= 10, median_pct=median)
+claim(f"every run here measured its peak on each of its {NPROC} ranks", all(
+    len(summary(n)["peak_tensor_bytes"]) == NPROC and min(summary(n)["peak_tensor_bytes"]) > 0 for n in names), runs=len(names))
+bound = 10 if GPUS else 3  # measured on this CPU: about 2%; a GPU's peaks are not checked here
+claim(f"the median error is within {bound}%", median <= bound, median_pct=median)
 is_ds = PEAKS["run"].str.startswith("zero3_bucket")
 ds_med, fsdp_med = statistics.median(PEAKS.loc[is_ds, "error %"]), statistics.median(PEAKS.loc[~is_ds, "error %"])
 claim("the estimator predicts less than measured on every small-bucket DeepSpeed ZeRO-3 row, and its median error "
@@ -256,7 +312,7 @@ claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks
 
 # %% [markdown]
 # What the estimator leaves out (its module doc, `helpers/estimate.py`, and, where a bullet says
-# so, listings made with `benchmarks/peak_alive.py` outside this notebook), and why most rows can
+# so, listings made with `benchmarks/peak_alive.py`, not run here), and why most rows can
 # still be this close on a CPU:
 #
 # * **the allocator's caching and fragmentation**: a GPU's reserved memory sits above the
@@ -265,9 +321,9 @@ claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks
 # * **the CUDA context** (hundreds of MiB per GPU, outside the allocator; not checked here) <!-- fact: torch.cuda_context_outside_allocator -->;
 # * **single ops' temporaries** (a matmul's output before it is saved), which add a little on
 #   top of the moments it models (the start of backward, FSDP's end of backward, the optimizer
-#   step);
+#   step; our reading);
 # * **which rank frees a collective's buffer first**: ranks that hold the same state can peak
-#   apart (the stored grid below shows it rank by rank); the estimator gives them one value;
+#   apart (checked on the stored grid below); the estimator gives them one value;
 # * **gloo's and nccl's own buffers** (communication libraries allocate outside torch's tensors;
 #   not checked here) <!-- fact: torch.nccl_buffers_outside_allocator -->;
 # * **the partitions ZeRO-3 keeps next to its whole small parameters** (notebook 08 measures
@@ -285,14 +341,11 @@ claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks
 # ## Every mode, three models, one to four ranks
 #
 # This notebook's runs are one model at one world size. `benchmarks/estimate_grid.py` ran the
-# nine sharding modes of `helpers.core.mapping.MODES` (their shipped configs: no offload, no
-# checkpointing, DeepSpeed's default bucket) on `tiny`, `small` and `medium`, at 1, 2 and 4 ranks
-# (where the mode runs at that world size) and two micro-batches (the cell prints them)
-# and stored
-# each job's measured peak per rank in `benchmarks/estimate_grid.json`; the rows whose worst
-# rank erred by more than 10% when they were measured (the estimator of that day) were run a
-# second time (`--repeat`), so a second run's smaller error is partly what any second draw of a
-# spread-out measurement gives. That is too many jobs for this
+# grid the next cell checks (every mode of `helpers.core.mapping.MODES`, three models, one to
+# four ranks) and stored each job's measured peak per rank in `benchmarks/estimate_grid.json`;
+# the rows whose worst rank erred by more than 10% when they were measured (the estimator of that
+# day; not checked here) were run a second time (`--repeat`), so a second run's smaller error is
+# partly what any second draw of a spread-out measurement gives (our reading). That is too many jobs for this
 # notebook, so the next cell reads the stored measurements, prints where they were measured,
 # and scores them with the estimator as it is now (`helpers.estimate.against`, what
 # `python benchmarks/estimate_grid.py --recheck benchmarks/estimate_grid.json` prints). Some of the
@@ -306,6 +359,16 @@ print("grid:", {k: sorted({r[k] for r in GRID["rows"]}) for k in ("model", "worl
       f"rows run twice: {sum('measured_repeat' in r for r in GRID['rows'])}")
 g = pd.DataFrame([{k: r[k] for k in ("mode", "model", "world_size", "micro_batch", "measured")}
                   | {"repeat": r.get("measured_repeat")} | est.against(r) for r in GRID["rows"]])
+SHIPPED = {k: load_job_config(m.config) for k, m in MODES.items()}  # the config each mode is scored with
+moves = lambda j: (j.fsdp.offload_params if j.fsdp  # noqa: E731
+                   else {j.deepspeed.offload_optimizer_device, j.deepspeed.offload_param_device} != {"none"})
+claim(f"the grid: all {len(MODES)} modes of MODES, each scored with its shipped config (none offloads or checkpoints), on "
+      "tiny, small and medium, at 1, 2 and 4 ranks where the mode runs, two micro-batches each, one peak per rank",
+      set(g["mode"]) == set(MODES) and not any(moves(j) or est.checkpointing(j) for j in SHIPPED.values())
+      and set(g["model"]) == {"tiny", "small", "medium"} and (g["measured"].map(len) == g["world_size"]).all()
+      and all(set(g.loc[g["mode"] == k, "world_size"]) == {w for w in (1, 2, 4) if w >= m.min_world_size}
+              for k, m in MODES.items()) and g.groupby(["mode", "model", "world_size"])["micro_batch"].nunique().eq(2).all(),
+      modes=len(MODES), rows=len(g))
 g["abs"] = g["error"].abs()
 within = g["abs"] <= 0.10
 print(g.groupby("mode", sort=False).agg(
@@ -339,6 +402,15 @@ claim("scored without their bucket, the ZeRO-1/2/3 rows err more than the others
       "their bytes less well than the other modes'",
       g.loc[has_bucket, "abs_rest"].median() > g.loc[~has_bucket, "abs"].median(),
       zero_median_pct=100 * g.loc[has_bucket, "abs_rest"].median(), others_median_pct=100 * g.loc[~has_bucket, "abs"].median())
+share = pd.Series([min(b / m for b, m in zip(bs, ms)) for bs, ms in zip(g["comm_buckets"], g["measured"])], index=g.index)
+on_small = has_bucket & g["model"].isin(["tiny", "small"])
+claim("the rows with a bucket are the ZeRO-1/2/3 rows (hpZ included), DeepSpeed's default on every rank (5e8 bf16 "
+      "elements; no shipped config sets reduce_bucket_size); on tiny and small it is most of every rank's peak",
+      set(g.loc[has_bucket, "mode"]) == {"zero1", "zero2", "zero3", "zero3_hpz"}
+      and all(b == 5e8 * 2 for bs in g.loc[has_bucket, "comm_buckets"] for b in bs)
+      and not any(j.deepspeed and "reduce_bucket_size" in j.deepspeed.json.get("zero_optimization", {})
+                  for j in SHIPPED.values()) and (share[on_small] > 0.5).all(),
+      bucket_share_of_peak={m: round(share[has_bucket & (g["model"] == m)].min(), 2) for m in ("tiny", "small", "medium")})
 
 # %% [markdown]
 # The rows beyond 10% on their worst rank (the bucket included: it is memory the job holds),
@@ -362,12 +434,16 @@ claim("every row beyond 10% on its worst rank has more than one rank and was run
       and (over["error_repeat"].abs() <= 0.10).all() and (over["moved %"] > over["excess %"]).all(),
       rows=len(over), again_pct=(100 * over["error_repeat"]).round(2).tolist(), moved_pct=over["moved %"].round(1).tolist(),
       excess_pct=over["excess %"].round(1).tolist())
+same = g[g["mode"].isin(["no_shard", "zero0"]) & (g["world_size"] > 1)]  # every rank holds the same state
+apart = max(max(m) / min(m) - 1 for m in same["measured"])
+claim("ranks that hold the same state (NO_SHARD, ZeRO-0) can peak apart, here by more than 5%; the estimator gives "
+      "them one value", apart > 0.05 and all(len(set(p)) == 1 for p in same["predicted"]), most_apart_pct=100 * apart)
 
 # %% [markdown]
 # So the rows beyond 10% are beyond it by less than the measurement itself moves: the same job,
 # run twice, peaks at different bytes on its ranks, and no one-rank row is among them. What
-# moves, in listings of the tensors alive at the peak made outside this notebook
-# (`benchmarks/peak_alive.py` on `medium` FULL_SHARD and SHARD_GRAD_OP at 4 ranks, and `tiny`
+# moves, in listings of the tensors alive at the peak (not run here:
+# `benchmarks/peak_alive.py` on `medium` FULL_SHARD and SHARD_GRAD_OP at 4 ranks, and `tiny`
 # ZeRO-0 at 2), is which collective buffers a rank still holds there: gloo's reduce-scatter
 # clones its input (`aten::clone` under `c10d::_reduce_scatter_base_`) <!-- fact: torch.gloo_reduce_scatter_clones -->, and some ranks still
 # held the clones of earlier units when the root unit reduced while others had freed them;
@@ -398,8 +474,8 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   recompute cost is printed with a timing verdict (slower or faster only where the step
 #   times' spreads part), not checked.
 # * The estimator's prediction was within two micro-batches of the runs' answer on the FSDP
-#   rows and at or above it on DeepSpeed's. Its median peak error over this notebook's runs was
-#   within 10%; every FSDP row was within 10%, or one of two identical jobs whose peaks moved
+#   rows and zero to three above it on DeepSpeed's. Its median peak error over this notebook's runs was
+#   within 3% on this CPU; every FSDP row was within 10%, or one of two identical jobs whose peaks moved
 #   between them by more than its excess; every small-bucket DeepSpeed row was
 #   under-predicted, their median error further from zero than the FSDP rows'.
 # * Over the stored grid, nine rows in ten or more were within 10% on their worst rank and the

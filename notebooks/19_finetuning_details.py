@@ -33,7 +33,8 @@ from pathlib import Path
 from helpers import facts, nb
 from helpers.compare import compare, differing
 from helpers.core.models import model_config, resolve_model
-from helpers.nb.claims import claim
+from helpers.nb import results
+from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the tiny model
 MODEL = "tiny" if SIZE == "quick" else "small"
@@ -60,6 +61,19 @@ same = compare("notebooks/runs/19_lora_full_shard", "notebooks/runs/19_lora_zero
 qv = compare("notebooks/runs/19_lora_qv_full_shard", "notebooks/runs/19_lora_qv_zero3")
 print("o_proj/down_proj:", same.report(), "\nq_proj/v_proj:", qv.report(), sep="\n")
 layers = model_config(resolve_model(MODEL)).num_hidden_layers
+runs = [results.load_run(f"notebooks/runs/19_{lora}_{cfg}")
+        for lora in ("lora", "lora_qv") for cfg in ("full_shard", "zero3")]
+ran(f"the aligned pair, twice: 3 steps at {N} ranks", runs, model=MODEL, steps=3, world_size=N)
+lora_tensors = [2 * sum(r.summary["peft"]["adapted"].values()) for r in runs]  # lora_A and lora_B per module
+frozen = [r.summary["audit"]["parameters"] - t for r, t in zip(runs, lora_tensors, strict=True)]
+claim("rank-8 LoRA on o_proj and down_proj, then on q_proj and v_proj, of every layer, each pair FSDP full_shard and "
+      "ZeRO-3; every adapter tensor traced, no frozen one",
+      [r.summary["peft"]["adapted"] for r in runs] == [{"o_proj": layers, "down_proj": layers}] * 2
+      + [{"q_proj": layers, "v_proj": layers}] * 2 and all(r.summary["peft"]["config"]["r"] == 8 for r in runs)
+      and [r.summary["config"].split("/", 1)[1] for r in runs] == ["fsdp/full_shard.yaml", "deepspeed/zero3.yaml"] * 2
+      and all(same.traced + qv.traced)
+      and [same.untraced, qv.untraced] == frozen[::2],
+      untraced=[same.untraced, qv.untraced], adapter_tensors=lora_tensors[::2])
 norms = qv.values["grad_norm"] if qv.values else (0.0, 0.0)
 loss = [json.loads(Path(f"notebooks/runs/19_lora_qv_{b}/summary.json").read_text())["losses"][qv.first_step or 0]
         for b in ("full_shard", "zero3")]
@@ -82,6 +96,9 @@ if nb.bitwise_parity_expected(N):
           and all(last not in n and ("q_proj" in n or "v_proj" in n) for n in parted)
           and {n.split(".layers.")[1].split(".")[0] for n in parted} == {str(i) for i in range(layers - 1)},
           parted=len(parted), layers=layers)
+    rel = abs(norms[0] - norms[1]) / norms[0]
+    claim("the q/v pair parts by a small amount: at step 1 its losses are still equal and its gradient norms differ by "
+          "under 1e-3 (relative)", loss[0] == loss[1] and 0 < rel < 1e-3, relative_difference=rel)
 
 # %% [markdown]
 # **What it means.** At step 0 the adapter's B matrix is zero (PEFT's default start; step 0 is bit for bit above), so what the adapter adds to the
@@ -99,15 +116,27 @@ if nb.bitwise_parity_expected(N):
 
 # %%
 facts.show("deepspeed.zero3_module_io_autograd_functions")
+trace = [json.loads(line) for line in (qv.a / "tensor_trace.jsonl").read_text().splitlines()]
+zero = "0" * 16  # the trace's fingerprint of an all-zero tensor
+b_weights = [[rec["weight"][0] for name, rec in t["params"].items() if ".lora_B." in name] for t in trace[:2]]
+a_grads0 = [rec["grad_local"][0] for name, rec in trace[0]["params"].items() if ".lora_A." in name]
+claim("in the q/v runs every B matrix is zero at step 0, so every A matrix gets a zero gradient there; from step 1 no "
+      "B matrix is zero", all(h == zero for h in b_weights[0] + a_grads0) and all(h != zero for h in b_weights[1])
+      and len(b_weights[0]) == len(a_grads0) == 2 * layers, b_matrices=len(b_weights[0]))
 
 # %% [markdown]
 # ## Recap
-#
-# - On this CPU, for 3 steps at 2 ranks, the aligned pair trains a LoRA on `o_proj`/`down_proj`
-#   bit for bit.
-# - With the adapter on `q_proj`/`v_proj` it parts from step 1, by a small amount (printed above),
-#   in the local gradients of every layer but the last.
-# - Our reading: the layer pattern fits ZeRO-3's per-module autograd functions changing the order of a bf16 sum
-#   over the gradients of an input that several modules read.
+
+# %%
+if nb.bitwise_parity_expected(N):
+    claim(f"on this CPU, for 3 steps at {N} ranks, the aligned pair trains a LoRA on o_proj/down_proj bit for bit",
+          same.identical and same.tensor is None and same.steps == 3)
+    claim("with the adapter on q_proj/v_proj it parts from step 1, by a small amount, in the local gradients of every "
+          "layer but the last", qv.first_step == qv.tensor.step == 1 and rel < 1e-3
+          and {n.split(".layers.")[1].split(".")[0] for n in parted} == {str(i) for i in range(layers - 1)})
+
+# %% [markdown]
+# Our reading: the layer pattern fits ZeRO-3's per-module autograd functions changing the order of a bf16 sum
+# over the gradients of an input that several modules read.
 #
 # That ends the guide: the core path is `00`-`09`, the deep dives `10`-`14` and `16`-`19`.

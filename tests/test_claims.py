@@ -70,3 +70,18 @@ def test_ran_reads_summary_and_config_and_fails_on_a_changed_flag(tmp_path, caps
         ran("both train for 40 steps", [run("a", 40), run("b", 12)], steps=40)
     with pytest.raises(KeyError, match="'seq' is in neither"):
         ran("x", [run("a", 40)], seq=64)
+
+
+def test_in_turn_needs_each_run_to_start_after_the_previous_one_ended():
+    from types import SimpleNamespace
+
+    from helpers.nb.claims import in_turn
+
+    def run(name, start, wall=10.0):
+        return SimpleNamespace(name=name, summary={"started_at": start, "wall_time_s": wall})
+
+    in_turn("a then b then c", [run("a", 0.0), run("b", 11.0), run("c", 30.0)])
+    with pytest.raises(ClaimFailed, match="b then a"):
+        in_turn("b then a", [run("b", 11.0), run("a", 0.0)])
+    with pytest.raises(ClaimFailed):  # overlapping: b started before a had finished
+        in_turn("a then b", [run("a", 0.0), run("b", 5.0)])

@@ -88,6 +88,7 @@ SUMMARY_KEYS = {
     "peak_flops_source": "where peak_flops came from (table, measured: how, or --peak-tflops)",
     "mfu": "model FLOPs utilisation: flops_per_token x tokens_per_s_per_rank / peak_flops (null without a peak)",
     "wall_time_s": "seconds from process start to the summary",
+    "started_at": "when the process started (seconds since the epoch, rank 0's clock): the order jobs ran in",
     "mode_key": "key of the sharding mode in helpers.core.mapping.MODES (e.g. full_shard, zero3)",
     "memory_bytes": "per rank (list): bytes of params, grads, optimizer_states, master_params held "
                     "after backward, before the optimizer step of step 1 (helpers.job.observe.memory), wherever they "

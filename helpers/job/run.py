@@ -41,7 +41,7 @@ from helpers.job.backends import apply_backend, optimizer_impl
 from helpers.job.checks import check_observers, checkpointing_notes, resolve_job
 from helpers.job.state import JobState, base_summary, env_int
 
-T0 = time.perf_counter()
+T0, STARTED_AT = time.perf_counter(), time.time()  # the summary records both: run time, and start order
 
 
 def _loopback_gloo() -> None:
@@ -375,7 +375,7 @@ def write_failed(s: JobState, failed_rank, reason, message) -> None:
 
 
 def _write_summary(s: JobState) -> None:
-    s.summary["wall_time_s"] = time.perf_counter() - T0
+    s.summary.update(wall_time_s=time.perf_counter() - T0, started_at=STARTED_AT)
     s.run.finish(s.summary)  # before teardown: a rare abort in destroy_process_group must not lose it
 
 

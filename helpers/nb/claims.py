@@ -14,7 +14,7 @@ repeated runs) and says "faster" or "slower" only when their spreads do not over
 this machine's noise". A notebook claims a speed difference only through it.
 
 ``ran`` checks a sentence that describes the jobs themselves (model, steps, ranks, flags) against what each
-run directory recorded.
+run directory recorded; ``in_turn`` checks that jobs ran one after the other, in a given order.
 """
 
 from __future__ import annotations
@@ -72,6 +72,16 @@ def ran(sentence: str, runs, **expected) -> None:
             raise KeyError(f"ran: key {key!r} is in neither summary.json nor config.json of {', '.join(missing)}")
         seen[key] = got[0] if len(set(map(repr, got))) == 1 else dict(zip((r.name for r in runs), got, strict=True))
     claim(sentence, all(_setting(r, k) == v for r in runs for k, v in expected.items()), runs=len(runs), **seen)
+
+
+def in_turn(sentence: str, runs) -> None:
+    """Claim that ``runs`` ran one after the other in the order given: each started (``started_at``) after the
+    previous one had written its summary (its start + ``wall_time_s``)."""
+    runs = list(runs)
+    starts = [r.summary["started_at"] for r in runs]
+    ends = [s + r.summary["wall_time_s"] for s, r in zip(starts, runs, strict=True)]
+    claim(sentence, all(b > a for a, b in zip(ends[:-1], starts[1:], strict=True)), order=[r.name for r in runs],
+          started_s=[round(s - starts[0], 1) for s in starts])
 
 
 @dataclass

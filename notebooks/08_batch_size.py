@@ -317,10 +317,12 @@ else:
           offload=LARGEST[OFFLOAD], predicted_on_a_gpu=offload_gpu, full_shard=LARGEST[FS])
     both = sorted(set(RESULT[FS]) & set(RESULT[OFFLOAD]))
     peak = {b: [max(RESULT[m][b]["peak_tensor_bytes"]) / 2**20 for m in (FS, OFFLOAD)] for b in both}
+    moved = state[FS] / 2**20 / max(f for f, _ in peak.values())  # what offload would take off, were it counted
     claim("here the offloaded states stay in the RAM peak_tensor_bytes counts: the offload jobs record every state on "
-          "the host, and peak within 1% of FULL_SHARD's at the same batch",
+          "the host, yet peak within 10% of FULL_SHARD's at the same batch (their state is over 20% of that peak)",
           all(loc["device"] == 0 for j in JOBS[OFFLOAD] for r in j.summary["memory_location_bytes"] for loc in r.values())
-          and all(abs(o / f - 1) < 0.01 for f, o in peak.values()), peak_MiB_full_shard_offload=peak)
+          and all(abs(o / f - 1) < 0.10 for f, o in peak.values()) and moved > 0.2,
+          peak_MiB_full_shard_offload=peak, state_share=moved)
 claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1: the bucket alone is larger than "
       "the budget, and the measured peak larger than the bucket", z3["memory_budget_fits"] is False
       and max(z3["peak_tensor_bytes"]) > bucket > BUDGET,

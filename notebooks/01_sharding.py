@@ -39,10 +39,10 @@ from helpers.nb.claims import claim, ran
 SIZE = nb.setup()
 # every mode at 2 ranks; the hybrids at 4 (HYBRID_SHARD: 2 replicas x 2 shards; hpZ: ZeRO-3 over 4 plus a
 # secondary bf16 shard over 2), at full size only: a quick run (CI's smoke
-# test) stops at 2 ranks, as a 2-GPU node does. Two steps: memory needs no long run.
+# test) stops at 2 ranks, as a 2-GPU node does. Two steps: memory is read in step 1, before its optimizer step.
 WORLDS = nb.world_sizes([2, 4] if SIZE == "full" else [2])  # GPU node: up to its GPUs (one per nccl rank)
 assert 2 in WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"
-JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory needs no long run
+JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory: read in step 1 (below)
 os.environ["JOB"] = JOB
 print(f"size={SIZE}, ranks {WORLDS}")
 
@@ -64,9 +64,11 @@ pd.DataFrame(mapping.mapping_rows()).set_index("mode")
 
 # %% [markdown]
 # The memory model (ZeRO paper) for Adam in bf16 mixed precision: per parameter, **2** bytes of
-# bf16 weights + **2** of bf16 gradients + **12** of optimizer state (fp32 master, momentum and
-# variance) = 16 bytes. <!-- fact: deepspeed.bf16_default_dtypes --> ZeRO-1 shards the optimizer
+# bf16 weights + **2** of bf16 gradients + **12** of optimizer state (fp32 master 4, the
+# `master_params` row; momentum and variance 8, `optimizer_states`) = 16 bytes. <!-- fact: deepspeed.bf16_default_dtypes --> ZeRO-1 shards the optimizer
 # states, ZeRO-2 the gradients too, ZeRO-3 the weights too. <!-- fact: deepspeed.zero_stage_partitions -->
+# (Right before the step, where we measure, DeepSpeed's ZeRO-1 has already reduced its gradients
+# into a slice, as ZeRO-2 does: below.)
 # FSDP with mixed precision, as Accelerate sets it up (the "aligned" mode of notebook 02), holds the same 16 bytes as 4 of fp32 weights, 4 of fp32
 # gradients and 8 of moments, with no separate master. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
 # The `theory` column follows each backend's own split.
@@ -82,7 +84,7 @@ print(f"{len(plan)} jobs")
 
 # %% [markdown]
 # Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a CPU with
-# fewer cores, ranks take turns on the cores, but each rank holds what a 4-GPU job's rank would. <!-- fact: torch.shard_sizes_device_independent -->
+# fewer cores, ranks take turns on the cores, but each rank holds what a 4-GPU job's rank would (a fact; no GPU run here). <!-- fact: torch.shard_sizes_device_independent -->
 
 # %% language="bash"
 # set -o pipefail
@@ -233,7 +235,7 @@ claim("at rest SHARD_GRAD_OP keeps its fp32 weights sharded (half each), ZeRO-2 
 #
 # Hugging Face's write-up on DeepSpeed in Accelerate reports DDP fitting batch 8 and ZeRO-2 batch
 # 40 on 24 GB cards (its tables: notebook 08). For our model, simply: per rank, the
-# state above plus activations per sequence (also measured) must fit a budget. This leaves out everything transient
+# state above plus activations per sequence (each job's `activation_bytes_per_sample`) must fit a budget. This leaves out everything transient
 # (notebook 08 adds it and confirms with runs) and the process itself (`11_sharding_details`).
 
 # %%
@@ -251,7 +253,7 @@ fit
 
 # %%
 # fact: deepspeed.zero0_replicates
-claim(f"at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences than ZeRO-2, and ZeRO-2 more than "
+claim(f"by this arithmetic (no job ran these batches), at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences than ZeRO-2, and ZeRO-2 more than "
       "ZeRO-0 (DDP-like)", fit.loc["zero3", "max micro-batch"] > fit.loc["zero2", "max micro-batch"]
       > fit.loc["zero0", "max micro-batch"], max_micro_batch=fit["max micro-batch"].to_dict())
 

@@ -33,8 +33,8 @@
 #
 # **On a CPU-only machine** "device" and "host" are the same RAM: the runs show where each backend
 # *puts* its states (its own bookkeeping) and the extra copies some settings make, not a saving of
-# accelerator memory. On a GPU the same cells read each tensor's real device, and the "device"
-# column is the accelerator memory that offload frees.
+# accelerator memory. On a GPU (not run here) the same cells read each tensor's real device, and
+# the "device" column is what stays in accelerator memory: offload frees the rest.
 
 # %%
 import os
@@ -266,7 +266,7 @@ for label, row in totals.iterrows():
 # * DeepSpeed's CPU optimizer offload keeps an fp32 gradient copy on the host between steps; <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads -->
 #   ZeRO-3 keeps its small persistent params next to the compute. <!-- fact: deepspeed.zero3_persistent_small_params -->
 # * On this CPU the losses do not change with offload, bit for bit (on a GPU the check allows 1%).
-#   On a GPU the "device" column is what offload frees, paid for in PCIe traffic and a host-side
+#   On a GPU the "device" column is what stays in accelerator memory, the rest paid for in PCIe traffic and a host-side
 #   optimizer step (not measured here).
 # * More in the deep dive `13_offload_details`: NVMe (what goes to disk, and why), the process's
 #   peak, and step times.

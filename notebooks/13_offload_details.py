@@ -173,7 +173,7 @@ print(tables.settings_table(CONFIGS).to_string())
 # done
 
 # %% [markdown]
-# The NVMe run swaps to a folder on this machine's own disk (the config's `nvme_path` is
+# The NVMe run swaps to a folder on this machine (the config's `nvme_path` is
 # relative, so `helpers.train` puts it under the system temp dir), linked from the run
 # directory as `nvme_swap`; on a real node point `nvme_path` at a fast local drive:
 

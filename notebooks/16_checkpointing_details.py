@@ -24,7 +24,7 @@
 #
 # **What we run.** On 2 CPU ranks (or one per GPU), the tiny model: an FSDP job of `3K`
 # steps that saves every `K` steps and is killed inside its last save; from its step-`K`
-# checkpoint, converted, a DeepSpeed ZeRO-3 job for steps `K..2K`, as in notebook 06's relay.
+# checkpoint, converted, a DeepSpeed ZeRO-3 job for steps `K` to `2K-1`, as in notebook 06's relay.
 # Then three 1-rank jobs resume from step `2K`, and three weights-only files are written and read.
 
 # %%
@@ -50,8 +50,8 @@ print(f"size={SIZE}: model {MODEL}, K={K} on {NPROC} ranks")
 # %% [markdown]
 # ## 1 · A save that dies halfway
 #
-# A save writes everything to `D/.step_K.tmp`, `meta.json` last, and only then renames the
-# directory to `D/step_K`. So a job killed halfway leaves a `.tmp` directory that the guide's
+# By design (not traced here), a save writes everything to `D/.step_K.tmp`, `meta.json` last, and only then
+# renames the directory to `D/step_K`. So a job killed halfway leaves a `.tmp` directory that the guide's
 # reader refuses, and the previous `step_*` complete. Below, the last rank kills
 # itself inside the save of step `3K` (the hook `tests/test_checkpoint.py` uses, `GUIDE_FAIL_*`;
 # never set in real runs). The DeepSpeed job then resumes from the FSDP job's step `K`.
@@ -119,14 +119,14 @@ else:
 #
 # DeepSpeed's ZeRO files resume with their optimizer state only at the world size that wrote them. <!-- fact: deepspeed.zero_checkpoint_fixed_world_size -->
 # Its own answer is the **universal checkpoint**: `helpers.convert --to universal` runs
-# DeepSpeed's `ds_to_universal`, and `deepspeed/zero3_universal.yaml` sets
+# DeepSpeed's `ds_to_universal`, and `deepspeed/zero3_universal.json` (which its YAML names) sets
 # `"checkpoint": {"load_universal": true}`, so DeepSpeed's loader reads it. <!-- fact: deepspeed.universal_checkpoint_tools -->
 # The guide's `--to deepspeed` is not tied to the world size either (here 2 ranks to 1). FSDP's DCP files reshard as they
 # load. <!-- fact: torch.dcp_file_per_rank --> Below, DeepSpeed's step-`2K` checkpoint resumes on
 # **1 rank** both ways, and FSDP resumes its own step-`2K` DCP files (on this CPU we expect the
 # same state: the DeepSpeed job matched FSDP's losses above, and the three routes are compared below).
 #
-# How the guide's import gets Adam's state into each ZeRO stage: the resuming job puts the
+# How the guide's import gets Adam's state into each ZeRO stage (its code path; not traced here): the resuming job puts the
 # weights into the module before `deepspeed.initialize`, then sets the fp32 master and Adam's
 # state through DeepSpeed's `safe_set_full_*` calls. <!-- fact: deepspeed.safe_set_full_state -->
 # Torch Adam creates its state lazily, at the first step, <!-- fact: torch.adam_state_lazy --> and
@@ -180,7 +180,7 @@ claim("they continue differently from the 2-rank job (a smaller global batch): e
 # ## 3 · Weights for inference
 #
 # Three files hold weights only. A ZeRO-3 checkpoint carries `zero_to_fp32.py`, which writes
-# the fp32 weights; <!-- fact: deepspeed.zero3_checkpoint_files --> `zero3_save_16bit_model: true`
+# the fp32 weights; <!-- fact: deepspeed.zero3_checkpoint_files --> `zero3_save_16bit_model: true` (Accelerate's name for DeepSpeed's `stage3_gather_16bit_weights_on_model_save`)
 # adds the weights in bf16; <!-- fact: deepspeed.save_16bit_model_weights_only --> and
 # `helpers.convert --to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`. <!-- fact: transformers.save_pretrained_files -->
 # All three come from DeepSpeed's step-`2K` checkpoint, next to the guide's own reading of it.

@@ -142,7 +142,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 # %% [markdown]
 # **What it means.**
 #
-# * **Naive**: every rank peaks at the whole model in fp32 (after the upcast), the dashed line. Ranks on one
+# * **Naive**: every rank peaks above the whole model in fp32 (after the upcast; the dashed line). Ranks on one
 #   machine load side by side, each holding its own full copy.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they

@@ -61,7 +61,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 #
 # Each rank also saves its RNG state; a step's data is a pure function of the step number,
 # so the step counter is the data position (how `helpers.train` is built; not checked here). (A save killed halfway leaves nothing that passes
-# for a checkpoint: the deep dive kills one.)
+# for a checkpoint: the deep dive `16_checkpointing_details` kills one.)
 #
 # ## The uninterrupted run
 
@@ -86,7 +86,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 #   then `safe_set_full_fp32_param` for the fp32 master and `safe_set_full_optimizer_state`
 #   for Adam. <!-- fact: deepspeed.safe_set_full_state -->
 #
-# Other world sizes, each ZeRO stage's import and DeepSpeed's own tools: the deep dive
+# Other world sizes, each ZeRO stage's import (described there; `tests/` run it) and DeepSpeed's own tools: the deep dive
 # `16_checkpointing_details`.
 
 # %%
@@ -285,6 +285,6 @@ for kind, r in table.iterrows():
 # * A resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
 #   file, about 6x smaller, holds weights only.
 # * More in the deep dive `16_checkpointing_details`: atomic saves, another world size,
-#   DeepSpeed's own tools, weights for inference and each ZeRO stage's import.
+#   DeepSpeed's own tools, weights for inference and each ZeRO stage's import (described there).
 #
 # Next: `07_throughput`.

@@ -17,6 +17,7 @@
 # # 07 · Throughput: tokens/s per device, step time and MFU
 #
 # **The question.** Hugging Face's write-up on aligning FSDP and DeepSpeed precision in Accelerate
+# ([From DeepSpeed to FSDP and Back Again](https://huggingface.co/blog/deepspeed-to-fsdp-and-back))
 # ends on a throughput table: on 4x A100, FSDP in its aligned mode and DeepSpeed ZeRO-3 train IBM
 # Granite 7B at 3158.7 and 3094.5 tokens/s per device, an MFU of 0.41 and 0.40. How is such a table
 # counted, and what does it say on your own machine?
@@ -191,7 +192,7 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
       f"{apart[0]:,.0f}x tiny's ({'each ratio' if not GPUS else 'FLOPs per token'} over 1,000x)", min(apart) > 1000)
 
 # %% [markdown]
-# **What it means.** Here the two backends do the same work. Whether one was faster is the
+# **What it means.** Here the two backends train identically. Whether one was faster is the
 # verdict above (its rule is checked with it); the write-up's two figures differ by 2%.
 # Each job measures its peak again, and the four can differ (by how much here: printed above), so MFU can move with the
 # measured peak as well as with tokens/s: compare the backends by tokens/s. "tokens/s/device" here
@@ -233,7 +234,7 @@ pd.concat([pair.assign(model="tiny"), SEEDS.assign(model="Granite 7B")]).round(3
 # ## Optional: try other settings
 #
 # Nothing below is part of the story above, and nothing runs until you click **Run**. The
-# panel's defaults are this notebook's command, one run per config (the aligned pair, `tiny`, `$PAIR_STEPS` steps); it launches the selected configs
+# panel's defaults are this notebook's command, one run per config (the aligned pair, `tiny`, `PAIR_STEPS` steps); it launches the selected configs
 # into its own run directories (`notebooks/runs/panel_07_*`) and redraws tokens/s per rank and MFU. Try the `small` model, or 1 and 4 ranks (on a CPU, ranks share the cores).
 
 # %%

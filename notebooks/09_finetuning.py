@@ -122,7 +122,8 @@ ax.legend(loc="upper right", ncol=2);
 
 # %% [markdown]
 # **What it means.** A frozen parameter keeps only its weight: no gradient, no Adam moments,
-# no fp32 master. FSDP and ZeRO-3 shard that weight like any other: each rank holds 1/N of it.
+# no fp32 master. FSDP shards that weight like any other (each rank holds 1/N of it), and so does
+# ZeRO-3, but for the small parameters it keeps whole (below).
 # ZeRO-2 keeps it whole on every rank, in bf16: its flat buffers hold only what the optimizer
 # steps, so a frozen parameter stays a plain module parameter (ZeRO-1 too, not run here:
 # `tests/test_lora.py`). FSDP keeps the frozen weight in bf16: the job applies
@@ -191,8 +192,9 @@ claim(f"ZeRO-3 holds {extra_B / 2**20:.3f} MiB more than the estimator counts: e
 # (`benchmarks/peak_alive.py` shows it): ahead of each forward it gathers the model, and the
 # all-gather's buffers and their concatenated copy are alive together.
 #
-# Identical jobs can measure different CPU peaks (`18_fit_details` shows it). A job more than 10% off is run once more, and
-# the smaller of its two peaks counts, as in `tests/test_estimate.py`. The cell prints both.
+# Identical jobs can measure different CPU peaks (not run twice here; `18_fit_details` shows it). A job more than 10% off
+# is run once more, and the smaller of its two peaks counts (`tests/test_estimate.py` does the same at 2%). The next
+# cells print both.
 
 # %%
 import subprocess  # noqa: E402
@@ -228,13 +230,13 @@ claim("the estimator predicts every job's peak within 10%", fits["with"],
       worst=table.error.abs().max(), jobs_run_twice=int(table.filter(["peak_again_MiB"]).notna().sum().sum()))
 claim("without the bucket, FSDP and ZeRO-2 stay within 10%, ZeRO-3 within 20%", fits["without"],
       worst_wo_bucket=wo.round(3).to_dict())
-# what lifts ZeRO-3's peak above ZeRO-2's, net of what it holds less of the frozen base, is memory in flight
+# our reading: what lifts ZeRO-3's peak above ZeRO-2's, net of what it holds less of the frozen base, is memory in flight
 model_MiB = (frozen_numel + trainable_numel) * 2 / 2**20
 in_flight = measured["zero3"] - measured["zero2"] + (z2 - z3)
 claim("ZeRO-3 peaks above ZeRO-2: the gap plus the frozen weights ZeRO-2 holds beyond ZeRO-3 is over one bf16 copy "
       "of the model", measured["zero3"] > measured["zero2"] and in_flight > model_MiB,
       zero3_MiB=measured["zero3"], zero2_MiB=measured["zero2"], in_flight_MiB=in_flight, model_bf16_MiB=model_MiB)
-if SIZE == "full":  # on `tiny` the small parameters ZeRO-3 keeps whole outweigh the half it partitions away
+if SIZE == "full":  # the quick size runs `tiny`, whose small parameters, kept whole, outweigh the half partitioned
     claim("though ZeRO-3 holds half as much of the frozen base as ZeRO-2 (within 1%)", abs(z3 / z2 - 0.5) <= 0.005,
           ratio=z3 / z2)
 
@@ -249,7 +251,7 @@ if SIZE == "full":  # on `tiny` the small parameters ZeRO-3 keeps whole outweigh
 # <!-- fact: deepspeed.zero3_persistent_keep_partition -->.
 #
 # Each checkpoint holds the guide's `adapter/`, gathered in fp32, and `adapter_naive/`,
-# what a plain `save_pretrained` on rank 0 writes (empty under FSDP, where it fails; imitated: PEFT's state dict of the module as
+# what a plain `save_pretrained` on rank 0 writes (no file under FSDP, where it fails; imitated: PEFT's state dict of the module as
 # rank 0 holds it, handed to safetensors). `zero3.yaml` keeps DeepSpeed's default threshold
 # (100,000 elements). One more job runs `zero3_no_prefetch.yaml`: threshold 0 (our reading: none
 # of its other settings changes what is partitioned).
@@ -328,7 +330,7 @@ hidden, mlp, rank = 4096, 11008, json.load(open(LORA))["r"]
 auto, over_auto = 10 * hidden, []
 for mod, (n_in, n_out) in {"o_proj": (hidden, hidden), "down_proj": (mlp, hidden)}.items():
     for part, numel in (("lora_A", rank * n_in), ("lora_B", n_out * rank)):
-        print(f"{mod}.{part}: {numel:,} elements: {'partitioned (a plain save writes it empty)' if numel > auto else 'whole'}"
+        print(f"{mod}.{part}: {numel:,} elements: {'partitioned, by the threshold rule (not run)' if numel > auto else 'whole'}"
               f" under auto = {auto:,}")
         over_auto += [f"{mod}.{part}"] if numel > auto else []
 claim("with Accelerate's auto threshold, a model of these widths breaks that for this adapter: ZeRO-3 partitions "
@@ -366,7 +368,8 @@ claim("a frozen parameter costs only its weight; FSDP and ZeRO-3 shard it (ZeRO-
 claim("the estimator takes the LoRA config and predicted these peaks within 10% (without DeepSpeed's fixed gradient "
       "bucket: FSDP and ZeRO-2 within 10%, ZeRO-3 within 20%)", fits["with"] and fits["without"])
 claim("a plain save under ZeRO-3 was empty at threshold 0 and whole at the default, and Accelerate's auto would "
-      "partition part of this adapter on a 7B-width model: a config setting decides, not the save code; under FSDP2 "
+      "partition part of this adapter on a 7B-width model (by the threshold rule): under ZeRO-3 a config setting "
+      "decides, not the save code; under FSDP2 "
       "the plain save (imitated) failed", all(plain.values()) and bool(over_auto),
       **{k: bool(v) for k, v in plain.items()})
 if nb.bitwise_parity_expected(N):

@@ -16,7 +16,7 @@
 # %% [markdown]
 # # 11 · Deep dive: sharding in detail
 #
-# **The question.** Notebook 01 measured what each sharding mode holds at 2 ranks. Here: how do
+# **The question.** Notebook 01 measured what each sharding mode holds at 2 ranks (its hybrids at 4). Here: how do
 # the bytes fall with 1, 2 and 4 ranks? Exactly how many gradient bytes does a ZeRO-1/2 rank hold?
 # Where does ZeRO-0 part from NO_SHARD? How much of a process's memory is the state?
 # And what is the rest of a config, key by key? (A deep dive from notebook 01; the core path goes
@@ -29,6 +29,7 @@
 # from its run directory, and its line says `reused`; otherwise it runs.
 
 # %%
+import json
 import os
 from pathlib import Path
 
@@ -66,10 +67,12 @@ print(f"size={SIZE}, ranks {WORLDS}: {len(plan)} jobs")
 
 # %%
 runs = results.load_runs(*[out for _, _, out in plan])
-reused = {r.name: r.summary["reused_from"] for r in runs if r.summary["reused_from"]}
-claim("each reused run is notebook 01's 2-rank run of the same config",
-      all(f"/{src.rsplit('/', 1)[-1]}" == f"/01_{name[3:]}" and name.endswith("_2") for name, src in reused.items()),
-      reused=len(reused), ran_here=len(runs) - len(reused))
+reused = [(r, Path(r.summary["reused_from"])) for r in runs if r.summary["reused_from"]]
+claim("each reused run is notebook 01's 2-rank run of the same config (all but --out) and has its losses",
+      all(src.name == f"01_{r.name[3:]}" and r.summary["world_size"] == 2
+          and {**r.config, "out": None} == {**json.loads((src / "config.json").read_text()), "out": None}
+          and r.summary["losses"] == json.loads((src / "summary.json").read_text())["losses"]
+          for r, src in reused), reused=len(reused), ran_here=len(runs) - len(reused))
 mem = results.memory_table(runs)
 mem["ratio"] = mem.measured / mem.theory.where(mem.theory > 0)
 boundary = mem["mode"].isin(["zero1", "zero2"]) & (mem.category == "grads")
@@ -193,7 +196,7 @@ for ws in sorted(set(mem.world_size)):
 # shard the same thing (nothing) <!-- fact: deepspeed.zero0_replicates -->, but here they do not train bit-identically.
 # DeepSpeed runs ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`)
 # instead of its ZeRO code <!-- fact: deepspeed.zero0_bf16_optimizer -->. The two already report
-# different gradient norms at step 0, before any update (printed below with the losses; ZeRO-0's
+# different gradient norms at step 0, before any update (printed below with the final losses; ZeRO-0's
 # norm is the wrapper's own). We have not traced which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
 # helpers.compare RUN_A RUN_B` names the first step (notebook 12 shows it). ZeRO-1 and ZeRO-2
 # (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->

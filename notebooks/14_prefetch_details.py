@@ -263,7 +263,7 @@ claim("wherever rank 0 both computed and communicated for over 1 ms, a good part
 #     echo "  dynamo recompile-limit warnings (all ranks): $(grep -c 'recompile_limit' $out.stderr)"
 #   done
 # else
-#   echo "GUIDE_SIZE=quick: compile section skipped (minutes of inductor builds on a CPU)"
+#   echo "GUIDE_SIZE=quick: compile section skipped (it runs at the full size)"
 # fi
 
 # %%

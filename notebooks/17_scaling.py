@@ -23,8 +23,8 @@
 # **What we run.** Both backends over model sizes and over 1, 2 and 4 ranks with
 # `benchmarks/scaling.py`, which launches real `helpers.train` jobs and collects their summaries
 # into a CSV. The sweeps train the **plain fp32 pair** (`fsdp/full_shard_low_precision.yaml
-# --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`), whose speed does not depend on which
-# bf16 instructions a CPU has.
+# --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`), whose speed should not depend on which
+# bf16 instructions a CPU has (our reading: one CPU here).
 
 # %%
 import os
@@ -56,7 +56,7 @@ print(f"size={SIZE}: sizes {SIZES} on {NPROC} ranks; ranks {RANK_SWEEP} on {RANK
 # How fast a CPU runs a bf16 matmul depends on its instructions (torch's compiled CPU kernels,
 # not checked here). The cell below lists what this one has, measures both peaks here (one
 # thread, three rounds in turn) and checks which dtype is faster (without bf16
-# instructions, fp32 over 3x bf16; with them, bf16 above fp32). On a GPU, bf16 tensor cores
+# instructions, fp32 over 3x bf16; with them, bf16 above fp32: the check for a CPU that has them, not run here). On a GPU, bf16 tensor cores
 # are the fast path (not checked here). The peak is measured in the job's dtype, so MFU
 # counts against the arithmetic the job does; each job measures it again (the size sweep's
 # range is printed below).
@@ -150,23 +150,22 @@ claim("every job trained the plain fp32 pair (no mixed precision, fp32 weights i
       all(j["mixed_precision"] == "no" and j["dtypes"]["forward_weight"] == "fp32"
           and (GPUS or "fp32 matmul" in j["peak_flops_source"]) for j in jobs),
       peak_sources=sorted({j["peak_flops_source"].split(",")[0] for j in jobs}))
-rising = all(v == sorted(v) for v in mfu.values())
-print(f"MFU {'rises' if rising else 'does not rise'} at every step up in size here ({' -> '.join(SIZES)}): {mfu}")
+print(f"MFU per backend, {' -> '.join(SIZES)}: {mfu}")
 print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not a comparison of the backends):",
       {m: round(float(by.loc[("fsdp", m), "step_time_s"] / by.loc[("deepspeed", m), "step_time_s"]), 2)
        for m in SIZES})
 
 # %% [markdown]
 # **What it means.** Bigger models process fewer tokens per second (more FLOPs per token),
-# and the ones larger than `tiny` use the core better than `tiny` does (each MFU against its own
+# and in these one-job-per-point runs the ones larger than `tiny` use the core better than `tiny` does (each MFU against its own
 # job's measured peak, which moves from job to job: the range printed above). Our reading (the
 # fixed costs are not measured here): a `tiny` step is a few small matmuls wrapped in fixed costs —
 # Python, launching each op, the optimizer's per-parameter loop (FSDP's; DeepSpeed steps one
 # flat partition), gloo's collectives (FSDP gathers each unit, again in backward when it resharded after forward, and reduces it once) — which do
 # no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> As the matmuls grow, those costs
 # shrink relative to the arithmetic, and MFU is higher than tiny's. Whether it keeps rising
-# with every size is the line above: it need not on a CPU, where a larger model's weights
-# and activations also outgrow the caches (we have not broken `medium`'s step down). The last
+# with every size, per backend, is the line above; it need not on a CPU, where (our reading; we have
+# not broken `medium`'s step down) a larger model's weights and activations also outgrow the caches. The last
 # line compares the backends at each size from one short job each: with no spread to read,
 # it is a pointer for your own runs, not a result (notebook 07's repeated pair shows how to compare backends).
 #
@@ -225,7 +224,8 @@ elif not GPUS:
 
 # %% [markdown]
 # **What it means.** Here 4 ranks share the cores (checked above), so ranks share a core's
-# peak. How much of the per-rank ratio above is that sharing is not measured here (our reading:
+# peak, while each job's peak is measured by rank 0 alone: the 4-rank MFU is against a peak no
+# sharing rank can reach. How much of the per-rank ratio above is that sharing is not measured here (our reading:
 # it depends on how long a rank waits in collectives, leaving the core to the other); the ratios
 # above come from one short job each, so no speed conclusion is drawn from them. On a GPU node
 # every rank has its own device.

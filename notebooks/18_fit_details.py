@@ -262,7 +262,7 @@ _ = ax.set(ylabel="step time, s", title=f"FULL_SHARD, micro-batch {TIME_BATCH}: 
 # parameter and token, notebook 07: up to a third more compute per step). What it costs in
 # time is the verdict above: a step also spends time the recompute does not add to (the
 # optimizer, the collectives), and we have not broken it down. Measure it on your GPU with more
-# steps, where the timings are steady.
+# steps.
 #
 # ## Predicted against measured peak
 #
@@ -311,8 +311,8 @@ claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks
       beyond_10pct={r: {"error": e, "moved": None if m is None else round(m, 1)} for r, (e, m) in beyond.items()})
 
 # %% [markdown]
-# What the estimator leaves out (its module doc, `helpers/estimate.py`, and, where a bullet says
-# so, listings made with `benchmarks/peak_alive.py`, not run here), and why most rows can
+# What the estimator leaves out (from its module doc, `helpers/estimate.py`, `benchmarks/estimate_grid.py`'s
+# docstring, notebook 08's runs and, where a bullet says so, listings made with `benchmarks/peak_alive.py`, not run here), and why most rows can
 # still be this close on a CPU:
 #
 # * **the allocator's caching and fragmentation**: a GPU's reserved memory sits above the
@@ -387,7 +387,7 @@ claim("nine rows in ten or more are within 10% on their worst rank, and the medi
 # %% [markdown]
 # DeepSpeed's ZeRO-1/2/3 rows carry its default gradient bucket (`reduce_bucket_size`, 5e8
 # elements: about 1 GB in bf16, whatever the model) <!-- fact: deepspeed.zero3_bucket_allocated_whole -->,
-# which the estimator counts exactly. Their
+# which the estimator counts as the configs set it (none sets it: 5e8). Their
 # error then says less about how well it counts the rest of their bytes, so here are those rows
 # scored without the bucket, `(predicted - measured) / (measured - bucket)`, next to the other
 # rows:

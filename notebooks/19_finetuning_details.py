@@ -109,7 +109,7 @@ if nb.bitwise_parity_expected(N):
 # sums is not traced here): that groups `q_proj`'s two
 # gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units,
 # adds all of them in one buffer (also our reading). In bf16, a sum taken in another order rounds differently. That sum
-# is the gradient flowing into the layers below, which is why the last layer's adapters still agree
+# is the gradient flowing into the layers below, which (our reading) is why the last layer's adapters still agree
 # and every layer under it parts. An adapter whose input no other module reads, such as `o_proj` or
 # `down_proj`, gets just two gradients there (base and adapter), and a sum of two is the same in
 # either order: that pair stays bit for bit.
@@ -120,7 +120,7 @@ trace = [json.loads(line) for line in (qv.a / "tensor_trace.jsonl").read_text().
 zero = "0" * 16  # the trace's fingerprint of an all-zero tensor
 b_weights = [[rec["weight"][0] for name, rec in t["params"].items() if ".lora_B." in name] for t in trace[:2]]
 a_grads0 = [rec["grad_local"][0] for name, rec in trace[0]["params"].items() if ".lora_A." in name]
-claim("in the q/v runs every B matrix is zero at step 0, so every A matrix gets a zero gradient there; from step 1 no "
+claim("in the FSDP q/v run every B matrix is zero at step 0, so every A matrix gets a zero gradient there; from step 1 no "
       "B matrix is zero", all(h == zero for h in b_weights[0] + a_grads0) and all(h != zero for h in b_weights[1])
       and len(b_weights[0]) == len(a_grads0) == 2 * layers, b_matrices=len(b_weights[0]))
 

@@ -180,15 +180,16 @@ same = len(losses) == STEPS and (losses == ds.summary["losses"] if exact else ga
 agree = "give identical losses" if exact else "losses agree within 1e-2"
 claim(f"FSDP and ZeRO-3 {agree} at all {STEPS} steps", same, max_gap=gap)
 if SIZE == "full":  # 40 steps: past ln 97, the loss of a uniform guess among the 97 token ids the data uses
-    claim("the model learns the sequences: the final loss is over 1 below ln 97", fsdp.summary["final_loss"] <
+    claim("the model learns: its final loss is over 1 below ln 97, a uniform guess among the data's 97 token ids",
+          fsdp.summary["final_loss"] <
           math.log(97) - 1, first=losses[0], ln_97=math.log(97), final=fsdp.summary["final_loss"])
 else:
     claim("the model learns: the final loss is over 0.5 below the first", fsdp.summary["final_loss"] <
           losses[0] - 0.5, first=losses[0], final=fsdp.summary["final_loss"])
 rises = [i for i in range(1, len(losses)) if losses[i] > losses[i - 1] + 0.1]
 b = rises[0] if rises else 1
-claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above step {b - 1}, step {b + 1} is back below it",
-      len(rises) == 1 and b + 1 < len(losses) and losses[b + 1] < losses[b - 1], rises=rises, losses=losses[b - 1:b + 2])
+claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above step {b - 1}, step {b + 1} is back within "
+      f"0.05 of step {b - 1}", len(rises) == 1 and b + 1 < len(losses) and losses[b + 1] < losses[b - 1] + 0.05, rises=rises, losses=losses[b - 1:b + 2])
 
 # %% [markdown]
 # ## When the config is wrong

@@ -37,12 +37,12 @@ from helpers.nb import plots, results
 from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()
-# every mode at 2 ranks; the hybrids at 4 (HYBRID_SHARD: 2 replicas x 2 shards; hpZ: ZeRO-3 over 4 plus a
+# every mode but the hybrids at 2 ranks; the hybrids at 4 (HYBRID_SHARD: 2 replicas x 2 shards; hpZ: ZeRO-3 over 4 plus a
 # secondary bf16 shard over 2), at full size only: a quick run (CI's smoke
 # test) stops at 2 ranks, as a 2-GPU node does. Two steps: memory is read in step 1, before its optimizer step.
 WORLDS = nb.world_sizes([2, 4] if SIZE == "full" else [2])  # GPU node: up to its GPUs (one per nccl rank)
 assert 2 in WORLDS, f"this notebook needs 2 ranks; this node has {nb.gpu_count()} GPU(s)"
-JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory: read in step 1 (below)
+JOB = "--model small --steps 2 --micro-batch 1 --seq-len 32"  # memory: read in step 1 (summary.json: memory_bytes)
 os.environ["JOB"] = JOB
 print(f"size={SIZE}, ranks {WORLDS}")
 
@@ -97,7 +97,7 @@ print(f"{len(plan)} jobs")
 runs = results.load_runs(*[out for _, _, out in plan])
 ran("every job trains the small model for 2 steps", runs, model="small", steps=2)
 at = {r.summary["mode_key"]: r.summary["world_size"] for r in runs}
-claim("the model has 21M parameters; every mode ran at 2 ranks" + ("; the hybrids at 4" if 4 in WORLDS else
+claim("the model has 21M parameters; every mode but the hybrids ran at 2 ranks" + ("; the hybrids at 4" if 4 in WORLDS else
       "; the hybrids (4 ranks) not at this size") + "; each job counted every rank's bytes in the four categories, "
       "next to the model's prediction", round(runs[0].summary["num_params"] / 1e6) == 21
       and (4 not in WORLDS or set(at) == set(mapping.MODES)) and all(
@@ -236,7 +236,7 @@ claim("at rest SHARD_GRAD_OP keeps its fp32 weights sharded (half each), ZeRO-2 
 # Hugging Face's write-up on DeepSpeed in Accelerate reports DDP fitting batch 8 and ZeRO-2 batch
 # 40 on 24 GB cards (its tables: notebook 08). For our model, simply: per rank, the
 # state above plus activations per sequence (each job's `activation_bytes_per_sample`) must fit a budget. This leaves out everything transient
-# (notebook 08 adds it and confirms with runs) and the process itself (`11_sharding_details`).
+# (notebook 08 adds it and tests its estimate with runs) and the process itself (`11_sharding_details`).
 
 # %%
 BUDGET = 512 * 2**20  # bytes per rank; try your own card's size

@@ -46,7 +46,7 @@ GPUS = nb.gpu_count()
 NPROC = nb.nproc()
 LR = 1e-5  # where bf16 updates round away (section 4 counts it)
 LR_SCALED = LR * NPROC  # the write-up's first fix: the rate times the number of ranks
-LR_HIGH = 1e-4  # its second fix: another rate for everyone
+LR_HIGH = 1e-4  # the write-up's second fix: another rate (run here for both FSDP modes)
 ARGS = "--model tiny --micro-batch 8 --seq-len 32"  # tiny: NPROC x 8 x 32 tokens per step
 os.environ.update(STEPS=str(STEPS), NPROC=str(NPROC), LR=str(LR),
                   LR_SCALED=str(LR_SCALED), LR_HIGH=str(LR_HIGH), ARGS=ARGS)
@@ -93,8 +93,8 @@ ran("the three modes train the tiny model, loaded in bf16, on the same seeded ba
 
 # %% [markdown]
 # **What it shows.** Aligned FSDP and DeepSpeed draw one line; the low-precision run's drop is
-# under a third of theirs (checked below). What differs is the dtype the weights are kept and updated
-# in (section 3 shows every stage).
+# under a third of theirs (checked below). What differs is the dtype of the weights the optimizer
+# updates: bf16 in the low-precision run, fp32 in the other two (section 3 shows every stage).
 
 # %%
 claim("the three runs start from the same loss",

@@ -23,7 +23,7 @@
 # each method? Can you know it before running?
 #
 # **What we run.** `python -m helpers.estimate` predicts each method's largest micro-batch for
-# one budget; then jobs of two steps under `--memory-budget-gib` find the real answer. On a GPU
+# one budget; then jobs of two steps under `--memory-budget-gib` find this run's answer. On a GPU
 # the budget is the allocator's limit <!-- fact: torch.cuda_memory_fraction_oom -->; on this
 # CPU the job counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's
 # allocator events <!-- fact: torch.profiler_cpu_memory_events -->) and stops when it passes
@@ -139,7 +139,7 @@ JOBS = {m: [job(f"{Path(c).stem}_b{b}") for b in sorted(RESULT[m])] for m, c in 
 ALL = [j for js in JOBS.values() for j in js]
 claim("every run either completed within the budget or was stopped by it (none failed another way)",
       not walk.failures(WALK), failed_otherwise=walk.failures(WALK))
-ran(f"every job trained {MODEL} at sequence {SEQ} for two steps on {NPROC} ranks under the budget", ALL,
+ran(f"every job trained {MODEL} at sequence {SEQ} for two steps on {NPROC} ranks with the budget set", ALL,
     model=MODEL, seq_len=SEQ, steps=2, world_size=NPROC, memory_budget_bytes=BUDGET)
 claim("each row ran its config: the offload row with fsdp_offload_params on, DeepSpeed's with the shipped zero3.json's "
       "keys and reduce_bucket_size set to BUCKET", all(j.summary["config"] == c for m, c in METHODS.items() for j in JOBS[m])
@@ -222,7 +222,7 @@ ax.tick_params(axis="x", labelsize=7)
 _ = ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUDGET_GIB} GiB per rank, {NPROC} ranks")
 
 # %% [markdown]
-# ## Why ZeRO-3 fits no more than FULL_SHARD
+# ## What ZeRO-3 holds beyond FULL_SHARD
 #
 # Both shard 16 bytes per parameter. <!-- fact: deepspeed.zero3_16_bytes_per_param --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
 # ZeRO-3 also keeps the small parameters whole on every rank (notebook 02): on this tiny model,
@@ -344,8 +344,9 @@ claim(f"so on this small model DeepSpeed's defaults need more memory than FSDP: 
 # * The states (the estimator's count) were a real share of the budget. The estimator's prediction was within two
 #   micro-batches of the runs' answer on the FSDP rows, and zero to three above it on DeepSpeed's.
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
-#   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD: it held
-#   more state (its whole small parameters), and the estimator counts more working bytes (not measured).
+#   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD in this
+#   run. It held more state (its whole small parameters), and the estimator counts more working
+#   bytes (not measured); together these explain part of the gap, not all of it.
 # * On one RAM, offload fit within one sequence of FULL_SHARD, and fewer than the estimator
 #   predicts for a GPU. DeepSpeed's default gradient bucket is larger than this budget: the
 #   shipped ZeRO-3 did not fit batch 1.

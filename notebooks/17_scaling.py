@@ -234,8 +234,8 @@ elif not GPUS:
 #
 # * Here, bigger models processed fewer tokens per second, and the ones larger than `tiny` used
 #   the core better (higher MFU); fixed costs per op are our reading of why.
-# * Ranks beyond the cores share them (our reading); the ratios above are one short job each, so
-#   no speed conclusion is drawn from them.
+# * Here 4 ranks ran on fewer cores (checked above), so they shared them. The ratios above are
+#   one short job each: no speed conclusion is drawn from them.
 # * On this CPU the check above says which dtype is faster (it depends on the instruction set,
 #   not checked here); each job of the size sweep counted MFU against a peak in its own dtype
 #   (checked above).

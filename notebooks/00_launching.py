@@ -97,8 +97,8 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 # `torchrun` starts `NPROC` copies of `helpers.train`; each learns its `RANK` and
 # `WORLD_SIZE` from the environment. <!-- fact: torch.torchrun_sets_rank_env --> `--standalone` picks a free local port, so two
 # notebooks can launch at once. <!-- fact: torch.standalone_free_port --> With no GPU visible the job uses gloo on the CPU (and
-# tells DeepSpeed `DS_ACCELERATOR=cpu` <!-- fact: deepspeed.ds_accelerator_env -->); with GPUs it uses nccl on CUDA. Nothing in the
-# command changes.
+# tells DeepSpeed `DS_ACCELERATOR=cpu`, in `helpers.set_ds_accelerator` <!-- fact: deepspeed.ds_accelerator_env -->); with GPUs it uses nccl on CUDA, and nothing in the
+# command changes (not run here).
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $NPROC -m helpers.train \
@@ -112,7 +112,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 
 # %% [markdown]
 # On more than one machine the same command takes `--nnodes`, a `--node_rank` and a
-# rendezvous address instead of `--standalone`; the job code does not change. <!-- fact: torch.multinode_static_rdzv -->
+# rendezvous address instead of `--standalone`; the job code does not change (not run here). <!-- fact: torch.multinode_static_rdzv -->
 #
 # ## What a run directory holds
 #

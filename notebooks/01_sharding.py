@@ -84,7 +84,7 @@ print(f"{len(plan)} jobs")
 
 # %% [markdown]
 # Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a CPU with
-# fewer cores, ranks take turns on the cores, but each rank holds what a 4-GPU job's rank would (a fact; no GPU run here). <!-- fact: torch.shard_sizes_device_independent -->
+# fewer cores, ranks take turns on the cores (not measured here), but each rank holds what a 4-GPU job's rank would (a fact; no GPU run here). <!-- fact: torch.shard_sizes_device_independent -->
 
 # %% language="bash"
 # set -o pipefail
@@ -119,7 +119,7 @@ mem.head()
 plots.memory_bars(mem, world_size=2);
 
 # %% [markdown]
-# The check: each category, on each rank, of each run, within 1% of the model (the gaps we know of:
+# The check: each category, on each rank, of each run, within 1% of the model (the gaps we know of, our reading:
 # Adam's step counters, <!-- fact: torch.adam_state --> and the small weights ZeRO-3 keeps whole
 # on every rank <!-- fact: deepspeed.zero3_persistent_keep_partition -->). ZeRO-1/2's gradients
 # follow another rule: DeepSpeed slices one flat buffer across ranks, and a parameter straddling a

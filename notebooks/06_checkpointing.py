@@ -16,9 +16,9 @@
 # %% [markdown]
 # # 06 · Checkpointing: save, resume exactly, and switch backends mid-training
 #
-# **The question.** You trained for a while with FSDP. Can you stop and carry on with
+# **The question.** You trained with FSDP. Can you stop and carry on with
 # DeepSpeed (or the other way round) *as if nothing had happened*: the same loss at every
-# later step, to the last bit? And what does each way of saving cost on disk?
+# later step, to the last bit? And what does each way of saving cost?
 #
 # **What we run.** One uninterrupted FSDP job of `3K` steps that saves a checkpoint every
 # `K` steps. Then a relay: its step-`K` checkpoint, converted, resumes under ZeRO-3 for steps
@@ -86,7 +86,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 #   then `safe_set_full_fp32_param` for the fp32 master and `safe_set_full_optimizer_state`
 #   for Adam. <!-- fact: deepspeed.safe_set_full_state -->
 #
-# Other world sizes, each ZeRO stage's import (described there; `tests/` run it) and DeepSpeed's own tools: the deep dive
+# Other world sizes, each ZeRO stage's import (described there) and DeepSpeed's own tools: the deep dive
 # `16_checkpointing_details`.
 
 # %%
@@ -183,11 +183,11 @@ if 3 * K > 10 and NPROC == 2:  # the step checked on 2 ranks only (notebook 10 r
 # %% [markdown]
 # Weights alone would not do: Adam would restart with zero moments at step 1, <!-- fact: torch.adam_state_lazy -->
 # and the first update after the switch would differ (not run here). So the converter carries
-# the optimizer state too.
+# the optimizer state too (the table's `convert` rows: fp32 `optim`).
 #
 # ## What each kind of checkpoint costs
 #
-# How the table is made (not checked here): save time runs from the barrier before the save to
+# How the table is made (not checked here): save time is from the barrier before the save to
 # the barrier after it (the ZeRO-3 row leaves out the 16-bit file's write, which has its own row);
 # sizes are read from disk; dtypes from DeepSpeed's files, and from the state FSDP and the
 # converter saved. The conversions are the offline cells between the jobs.

@@ -200,7 +200,7 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
 #
 # ## What may limit MFU here (not measured), and what changes on a GPU node
 #
-# * **One thread per rank.** Each rank computes on one thread (`OMP_NUM_THREADS=1`); the peak is one
+# * **One thread per rank.** Each rank computes on one thread (`nb.setup` sets `OMP_NUM_THREADS=1`); the peak is one
 #   thread's (its source, checked above). <!-- fact: torch.omp_num_threads_sets_intraop --> On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters its
 #   gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults -->
@@ -226,7 +226,7 @@ pd.concat([pair.assign(model="tiny"), SEEDS.assign(model="Granite 7B")]).round(3
 # * Here the aligned pair trains identically on both backends; its speed difference is the verdict
 #   printed above, which names a faster backend only when runs made in turn all part.
 # * How throughput and MFU move with the model's size and the number of ranks, and bf16 against
-#   fp32 on a CPU: the deep dive `17_scaling`. The harness's own cost: `python benchmarks/overhead.py`.
+#   fp32 matmul peaks on a CPU: the deep dive `17_scaling`. The harness's own cost: `python benchmarks/overhead.py`.
 #
 # Next: `08_batch_size`.
 

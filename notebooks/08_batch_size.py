@@ -306,15 +306,15 @@ shipped = {n: json.loads(Path(f"launch_configs/deepspeed/{n}.json").read_text())
            for n in ("zero1", "zero2", "zero3")}
 claim("the shipped ZeRO-1/2/3 configs leave reduce_bucket_size at DeepSpeed's default: the estimator counts 5e8 bf16 "
       "elements", all("reduce_bucket_size" not in z for z in shipped.values()) and bucket == 5e8 * 2, bucket_bytes=bucket)
-print(f"FULL_SHARD + offload: predicted for a GPU {offload_gpu}, run here {LARGEST[OFFLOAD]}; "
+print(f"FULL_SHARD + offload: predicted with its states off the device {offload_gpu}, run here {LARGEST[OFFLOAD]}; "
       f"FULL_SHARD alone: run here {LARGEST[FS]}")
 if GPUS:
     claim("on a GPU, offload fits more than FULL_SHARD alone", LARGEST[OFFLOAD] > LARGEST[FS],
           offload=LARGEST[OFFLOAD], full_shard=LARGEST[FS])
 else:
-    claim("on one RAM, offload fits fewer sequences than the estimator predicts for a GPU, and within one of "
-          "FULL_SHARD without offload", LARGEST[OFFLOAD] < offload_gpu and abs(LARGEST[OFFLOAD] - LARGEST[FS]) <= 1,
-          offload=LARGEST[OFFLOAD], predicted_on_a_gpu=offload_gpu, full_shard=LARGEST[FS])
+    claim("on one RAM, offload fits fewer sequences than the estimator predicts with its states off the device (as on "
+          "a GPU, before CUDA's own buffers), and within one of FULL_SHARD without offload", LARGEST[OFFLOAD] < offload_gpu and abs(LARGEST[OFFLOAD] - LARGEST[FS]) <= 1,
+          offload=LARGEST[OFFLOAD], predicted_states_off=offload_gpu, full_shard=LARGEST[FS])
     both = sorted(set(RESULT[FS]) & set(RESULT[OFFLOAD]))
     peak = {b: [max(RESULT[m][b]["peak_tensor_bytes"]) / 2**20 for m in (FS, OFFLOAD)] for b in both}
     moved = state[FS] / 2**20 / max(f for f, _ in peak.values())  # what offload would take off, were it counted
@@ -346,16 +346,16 @@ claim(f"so on this small model DeepSpeed's defaults need more memory than FSDP: 
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD in this
 #   run. It held more state (its whole small parameters), and the estimator counts more working
-#   bytes (not measured); together these explain part of the gap, not all of it.
+#   bytes (not measured); our reading: together these explain part of the gap, not all of it.
 # * On one RAM, offload fit within one sequence of FULL_SHARD, and fewer than the estimator
-#   predicts for a GPU. DeepSpeed's default gradient bucket is larger than this budget: the
+#   predicts with the offloaded states off the device. DeepSpeed's default gradient bucket is larger than this budget: the
 #   shipped ZeRO-3 did not fit batch 1.
 # * More in the deep dive `18_fit_details`: activation checkpointing, and the estimator's
 #   peaks against measured ones.
 #
 # **Try it.** Change `BUDGET_GIB` or `MODEL` in the first cell and run the notebook again. For
 # your own model, before you book the GPUs: `python -m helpers.estimate --config YAML --model M
-# --world-size N --micro-batch B --seq-len S --budget-gib G`; then one job with
+# --world-size N --micro-batch B --seq-len S --budget-gib G --device cuda`; then one job with
 # `--memory-budget-gib` to confirm it.
 #
 # Next: `09_finetuning`.

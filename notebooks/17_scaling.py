@@ -164,7 +164,7 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 # flat partition), gloo's collectives (FSDP gathers each unit, again in backward when it resharded after forward, and reduces it once) — which do
 # no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> As the matmuls grow, those costs
 # shrink relative to the arithmetic, and MFU is higher than tiny's. Whether it keeps rising
-# with every size, per backend, is the line above; it need not on a CPU, where (our reading; we have
+# with every size, per backend, is the MFU line above; it need not on a CPU, where (our reading; we have
 # not broken `medium`'s step down) a larger model's weights and activations also outgrow the caches. The last
 # line compares the backends at each size from one short job each: with no spread to read,
 # it is a pointer for your own runs, not a result (notebook 07's repeated pair shows how to compare backends).
@@ -224,8 +224,8 @@ elif not GPUS:
 
 # %% [markdown]
 # **What it means.** Here 4 ranks share the cores (checked above), so ranks share a core's
-# peak, while each job's peak is measured by rank 0 alone: the 4-rank MFU is against a peak no
-# sharing rank can reach. How much of the per-rank ratio above is that sharing is not measured here (our reading:
+# peak, while each job's peak is measured by rank 0 alone (its recorded source): the 4-rank MFU
+# divides by a whole core's peak, and no rank had a core to itself. How much of the per-rank ratio above is that sharing is not measured here (our reading:
 # it depends on how long a rank waits in collectives, leaving the core to the other); the ratios
 # above come from one short job each, so no speed conclusion is drawn from them. On a GPU node
 # every rank has its own device.

@@ -346,7 +346,8 @@ claim(f"so on this small model DeepSpeed's defaults need more memory than FSDP: 
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD in this
 #   run. It held more state (its whole small parameters), and the estimator counts more working
-#   bytes (not measured); our reading: together these explain part of the gap, not all of it.
+#   bytes (not measured); our reading: these make the gap the estimator predicts (printed above), and a
+#   run's gap can differ, since peaks move between identical jobs.
 # * On one RAM, offload fit within one sequence of FULL_SHARD, and fewer than the estimator
 #   predicts with the offloaded states off the device. DeepSpeed's default gradient bucket is larger than this budget: the
 #   shipped ZeRO-3 did not fit batch 1.

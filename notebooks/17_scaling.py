@@ -225,7 +225,7 @@ elif not GPUS:
 # %% [markdown]
 # **What it means.** Here 4 ranks share the cores (checked above), so ranks share a core's
 # peak, while each job's peak is measured by rank 0 alone (its recorded source): the 4-rank MFU
-# divides by a whole core's peak, and no rank had a core to itself. How much of the per-rank ratio above is that sharing is not measured here (our reading:
+# divides by a whole core's peak, while four ranks shared two cores. How much of the per-rank ratio above is that sharing is not measured here (our reading:
 # it depends on how long a rank waits in collectives, leaving the core to the other); the ratios
 # above come from one short job each, so no speed conclusion is drawn from them. On a GPU node
 # every rank has its own device.

@@ -116,7 +116,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 #
 # ## What a run directory holds
 #
-# Everything in this section is read from the files, never from the printed output.
+# The cells in this section read the files, never the printed output (a statement about their code).
 
 # %%
 fsdp, ds = results.load_runs("notebooks/runs/00_fsdp", "notebooks/runs/00_deepspeed")
@@ -239,7 +239,7 @@ claim(f"each job's MFU divides by its own peak, {peak}", all(
     < 1e-9 for r in (fsdp, ds)), peak_GFLOPs=[r.summary["peak_flops"] / 1e9 for r in (fsdp, ds)])
 
 # %% [markdown]
-# * The run directory is what the later notebooks read.
+# * Later notebooks read run directories like this one (how their code works; not checked here).
 # * The step times above are one run each: not a speed comparison of the
 #   backends (notebook 07 compares them with repeated steps and says when a difference is
 #   above the noise). Nor is MFU, which divides by each job's own peak (checked above).

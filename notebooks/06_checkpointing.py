@@ -138,6 +138,13 @@ claim(f"that one, converted back, resumed under FSDP for steps {2 * K}..{3 * K -
       resumed(leg_fsdp, f"to_fsdp/step_{2 * K}", f"ds/step_{2 * K}") and leg_fsdp.backend == "fsdp"
       and leg_fsdp.metrics.step.tolist() == list(range(2 * K, 3 * K)) and saved(leg_fsdp) == [(3 * K, "full")],
       saved=saved(leg_fsdp))
+wrote = {d: sorted(f.name for f in (CK / d).rglob("*") if f.is_file() and "rng" not in f.parts)
+         for d in (f"to_ds/step_{K}", f"to_fsdp/step_{2 * K}")}
+claim("the converter wrote DeepSpeed one consolidated file (full.pt) and FSDP a DCP checkpoint (.metadata and "
+      ".distcp), which FSDP loaded on its ranks", wrote[f"to_ds/step_{K}"] == ["full.pt", "meta.json"]
+      and {".metadata", "meta.json"} < set(wrote[f"to_fsdp/step_{2 * K}"])
+      and all(n.endswith(".distcp") for n in set(wrote[f"to_fsdp/step_{2 * K}"]) - {".metadata", "meta.json"}),
+      files=wrote)
 relay = pd.concat([straight.metrics[straight.metrics.step < K], leg_ds.metrics, leg_fsdp.metrics])
 fig, (left, right) = plots.plt.subplots(1, 2)
 left.plot(straight.metrics.step, straight.metrics.loss, color="black", lw=4, alpha=0.25, label="uninterrupted FSDP")

@@ -176,6 +176,10 @@ parted = ((min(a_runs) > max(b_runs) and PAIR.spread_a[0] > PAIR.spread_b[1])
 claim(f"the verdict ('{PAIR.verdict}') names a faster backend only if every run of one is beyond every "
       "run of the other and their steps' quartiles part", (PAIR.verdict != "within noise") == parted,
       run_medians_ms={"FSDP": [round(x * 1e3) for x in a_runs], "DeepSpeed": [round(x * 1e3) for x in b_runs]})
+if not GPUS:
+    claim(f"tokens/s/device here is per rank: all {NPROC} ranks of each job ran on this one machine's CPU "
+          f"({os.cpu_count()} cores)", all(r.summary["device"] == "cpu" and r.summary["num_nodes"] == 1
+                                           and r.summary["world_size"] == NPROC for r in (fsdp, fsdp_2, ds, ds_2)))
 mean_tps = {b: sum(r.summary["tokens_per_s_per_rank"] for r in runs) / 2
             for b, runs in (("FSDP", (fsdp, fsdp_2)), ("DeepSpeed", (ds, ds_2)))}
 print(f"FSDP / DeepSpeed tokens/s: {mean_tps['FSDP'] / mean_tps['DeepSpeed']:.2f} here (the mean of two runs each), "
@@ -187,7 +191,7 @@ achieved = tps * fsdp.summary["flops_per_token"]
 peak = sorted(peaks)[len(peaks) // 2]  # the upper median of the four
 apart = [6 * 7e9 / fsdp.summary["flops_per_token"]] + ([] if GPUS else [312e12 / peak, 0.41 * 312e12 / achieved])
 claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this "
-      f"{'GPU' if GPUS else 'CPU thread'}'s peak (the median job's); achieved FLOP/s: the write-up's "
+      f"{'GPU' if GPUS else 'CPU thread'}'s peak (the upper median of our four jobs'); achieved FLOP/s: the write-up's "
       f"{0.41 * 312e12 / achieved:,.0f}x ours; FLOPs per token: Granite 7B's 6 N alone "
       f"{apart[0]:,.0f}x tiny's ({'each ratio' if not GPUS else 'FLOPs per token'} over 1,000x)", min(apart) > 1000)
 
@@ -196,7 +200,7 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
 # verdict above (its rule is checked with it); the write-up's two figures differ by 2%.
 # Each job measures its peak again, and the four can differ (by how much here: printed above), so MFU can move with the
 # measured peak as well as with tokens/s: compare the backends by tokens/s. "tokens/s/device" here
-# is per rank; the ranks share one CPU. The last check sets our absolute numbers beside the write-up's.
+# is per rank; on this machine the ranks share one CPU (checked above). The last check sets our absolute numbers beside the write-up's.
 #
 # ## What may limit MFU here (not measured), and what changes on a GPU node
 #

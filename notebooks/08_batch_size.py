@@ -148,15 +148,8 @@ claim("each row ran its config: the offload row with fsdp_offload_params on, Dee
       reduce_bucket_size=[j.config["deepspeed"]["json"]["zero_optimization"].get("reduce_bucket_size") for j in JOBS[DS]])
 LARGEST = {m: walk.largest(runs) for m, runs in RESULT.items()}
 
-
-def walked(runs, start):  # began at start, moved one sequence a job, ended with a fit next to a miss
-    bs, top = sorted(runs), walk.largest(runs)
-    return (max(start, 1) in runs and bs == [*range(bs[0], bs[-1] + 1)] and top + 1 in runs
-            and not runs[top + 1]["memory_budget_fits"])
-
-
 claim("each row started at its prediction and moved one sequence a job to a batch that fits next to one that does not: "
-      "two jobs where the prediction was right", all(walked(RESULT[m], PREDICTED[m]) for m in METHODS)
+      "two jobs where the prediction was right", all(walk.walked(RESULT[m], PREDICTED[m]) for m in METHODS)
       and all(len(RESULT[m]) == 2 for m in METHODS if LARGEST[m] == PREDICTED[m]), jobs={m: len(RESULT[m]) for m in METHODS})
 if not GPUS:
     errors = {j.name: sum(ln.startswith("error:") for ln in (RUNS / f"08_{j.name}" / "log.txt").read_text().splitlines())

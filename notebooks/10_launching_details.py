@@ -27,14 +27,12 @@
 # `reused`; otherwise it runs.
 
 # %%
-import json
 import math
 import os
-from pathlib import Path
 
 from helpers import nb
 from helpers.nb import plots, results
-from helpers.nb.claims import claim, ran
+from helpers.nb.claims import claim, ran, reused
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 12 if SIZE == "quick" else 40
@@ -62,13 +60,9 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks")
 fsdp, ds = results.load_runs("notebooks/runs/10_fsdp", "notebooks/runs/10_deepspeed")
 ran(f"notebook 00's pair again: the tiny model, {STEPS} steps on {NPROC} ranks, lr 3e-3", [fsdp, ds], model="tiny",
     steps=STEPS, world_size=NPROC, lr=3e-3)
-src = {r.backend: r.summary["reused_from"] for r in (fsdp, ds)}
-same = [r.summary["losses"] == json.loads(Path(src[r.backend], "summary.json").read_text())["losses"] and
-        {**r.config, "out": None} == {**json.loads(Path(src[r.backend], "config.json").read_text()), "out": None}
-        for r in (fsdp, ds) if src[r.backend]]
-claim("the pair is FSDP FULL_SHARD and ZeRO-3; a job reused is notebook 00's run with the same config (all but "
-      "--out) and losses", (fsdp.summary["mode"], ds.summary["mode"]) == ("FULL_SHARD", "ZeRO-3") and all(same)
-      and all(v in (None, f"notebooks/runs/00_{k}") for k, v in src.items()), reused_from=src)
+claim("the pair is FSDP FULL_SHARD and ZeRO-3", (fsdp.summary["mode"], ds.summary["mode"]) == ("FULL_SHARD", "ZeRO-3"))
+reused("a job reused is notebook 00's run of its backend, with the same config (all but --out), job key and losses",
+       [fsdp, ds], lambda r: f"notebooks/runs/00_{r.backend}")
 if nb.bitwise_parity_expected(NPROC):
     claim(f"the two lines overlap: identical losses at all {STEPS} steps", fsdp.summary["losses"] == ds.summary["losses"])
 fig, (left, right) = plots.plt.subplots(1, 2)

@@ -29,7 +29,6 @@
 # from its run directory, and its line says `reused`; otherwise it runs.
 
 # %%
-import json
 import os
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import torch
 from helpers import facts, nb
 from helpers.core import mapping, models
 from helpers.nb import plots, results
-from helpers.nb.claims import claim, ran
+from helpers.nb.claims import claim, ran, reused
 
 SIZE = nb.setup()
 # The quick size (CI's smoke test) stops at 2 ranks, as a 2-GPU node does: its 4-rank jobs were its longest.
@@ -67,12 +66,8 @@ print(f"size={SIZE}, ranks {WORLDS}: {len(plan)} jobs")
 
 # %%
 runs = results.load_runs(*[out for _, _, out in plan])
-reused = [(r, Path(r.summary["reused_from"])) for r in runs if r.summary["reused_from"]]
-claim("each reused run is notebook 01's 2-rank run of the same config (all but --out) and has its losses",
-      all(src.name == f"01_{r.name[3:]}" and r.summary["world_size"] == 2
-          and {**r.config, "out": None} == {**json.loads((src / "config.json").read_text()), "out": None}
-          and r.summary["losses"] == json.loads((src / "summary.json").read_text())["losses"]
-          for r, src in reused), reused=len(reused), ran_here=len(runs) - len(reused))
+reused("each reused run is notebook 01's 2-rank run of the same config (all but --out), job key (flags, ranks, "
+       "code) and losses", runs, lambda r: f"notebooks/runs/01_{r.name[3:]}")
 mem = results.memory_table(runs)
 mem["ratio"] = mem.measured / mem.theory.where(mem.theory > 0)
 boundary = mem["mode"].isin(["zero1", "zero2"]) & (mem.category == "grads")

@@ -37,11 +37,11 @@ from helpers.nb import plots, results
 from helpers.nb.claims import claim, ran
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps and families
-SHORT = 8 if SIZE == "quick" else 20  # steps of the clipping and accumulation runs
+SHORT = 8 if SIZE == "quick" else 12  # steps of the clipping and accumulation runs
 TRACE = 3  # steps of the stalling pair's traces and of each family (the clipping pair traces SHORT)
 GPUS = nb.gpu_count()
 NPROC = nb.nproc()
-# notebook 02's two rates: bf16 updates round away at LR; sections 2 and 4 train at LR_HIGH. Step 0's gradient
+# two of notebook 02's three rates: bf16 updates round away at LR; sections 2 and 4 train at LR_HIGH. Step 0's gradient
 # norm is over 1 at both (the same weights and batch: sections 2 and 3 check it), so a clip at 1.0 acts at either.
 LR, LR_HIGH = 1e-5, 1e-4
 ARGS = "--model tiny --micro-batch 8 --seq-len 32"

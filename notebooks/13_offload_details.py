@@ -35,7 +35,7 @@ from helpers import facts, nb
 from helpers.core.mapping import CATEGORIES
 from helpers.job import ops
 from helpers.nb import plots, results, tables
-from helpers.nb.claims import claim, ran, step_times, timing
+from helpers.nb.claims import claim, ran, reused, step_times, timing
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, fewer steps
 STEPS = 4 if SIZE == "quick" else 10
@@ -195,11 +195,8 @@ ran(f"every run trains the tiny model for {STEPS} steps on {NPROC} ranks, with n
     model="tiny", steps=STEPS, world_size=NPROC, seed=0, micro_batch=8, seq_len=64)
 claim("each run used the config the table names", all(r.summary["config"] == f"launch_configs/{CONFIGS[label]}.yaml"
                                                       for label, r in RUNS.items()))
-reused = {label: r.summary["reused_from"] for label, r in RUNS.items() if r.summary["reused_from"]}
-claim("each reused run is notebook 03's run of the same config, the same job as the one on disk now (job key: "
-      "flags, ranks, code)", all(src == f"notebooks/runs/03_{CONFIGS[label].split('/')[1]}"
-                                 and results.load_run(src).summary["job_key"] == RUNS[label].summary["job_key"]
-                                 for label, src in reused.items()), reused=list(reused))
+reused("each reused run is notebook 03's run of the same config (all but --out), job key (flags, ranks, code) and "
+       "losses", RUNS.values(), lambda r: f"notebooks/runs/03_{r.name[3:]}")
 
 # %% [markdown]
 # ## 1 · What NVMe puts where

@@ -45,7 +45,7 @@ from helpers.core.config import load_job_config
 from helpers.core.models import resolve_model
 from helpers.job import wrap
 from helpers.nb import plots, results, traces
-from helpers.nb.claims import claim, ran
+from helpers.nb.claims import claim, ran, reused
 
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
 GPUS = nb.gpu_count()
@@ -80,11 +80,8 @@ def profiled(runs, what):
 
 
 profiled(pf, "notebook 04's four settings")
-twin = {k: results.load_run(f"notebooks/runs/04{v[2:]}") for k, v in PF.items()
-        if pf[k].summary["reused_from"] is not None}
-claim("a job reused from notebook 04 names its twin there and has its losses; the others ran here",
-      all(pf[k].summary["reused_from"] == str(t.path) and pf[k].summary["losses"] == t.summary["losses"]
-          for k, t in twin.items()), reused=sorted(twin), ran_here=sorted(set(pf) - set(twin)))
+reused("a job reused from notebook 04 is its twin there, with the same config (all but --out), job key and losses; "
+       "the others ran here", pf.values(), lambda r: f"notebooks/runs/04{r.name[2:]}")
 
 # %% [markdown]
 # ## 1 · The unit choice: what FSDP asks you and DeepSpeed does not

@@ -42,6 +42,13 @@ def test_the_shipped_fsdp_config_and_a_tiny_llama_are_identical(tiny):
     assert flags == sorted(flags), "differing rows come first, then the ones not measured on one side"
     marked = [ln for ln in proc.stdout.splitlines() if ln.startswith("* ")]
     assert len(marked) == flags.count(0) and any("dtype: stored_param" in ln for ln in marked)
+    # one unit per fully_shard call, as helpers.job.wrap plans them (the tail's two modules are one unit)
+    from helpers.core.config import load_job_config
+    from helpers.core.models import resolve_model
+    from helpers.job import wrap
+
+    planned = len(wrap.units(wrap.meta_model(resolve_model("tiny")), load_job_config(str(FSDP)).fsdp))
+    assert rows["units"][0] == f"{planned} FSDP units (TRANSFORMER_BASED_WRAP)", rows["units"]
 
 
 def test_a_shrunk_7b_olmo2_parts_in_the_forward_and_the_switch_names_module_and_cause(tmp_path):

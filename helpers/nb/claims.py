@@ -14,13 +14,16 @@ repeated runs) and says "faster" or "slower" only when their spreads do not over
 this machine's noise". A notebook claims a speed difference only through it.
 
 ``ran`` checks a sentence that describes the jobs themselves (model, steps, ranks, flags) against what each
-run directory recorded; ``in_turn`` checks that jobs ran one after the other, in a given order.
+run directory recorded; ``reused`` checks that a job ``--reuse`` copied is its source's job; ``in_turn``
+checks that jobs ran one after the other, in a given order.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class ClaimFailed(AssertionError):
@@ -64,14 +67,34 @@ def ran(sentence: str, runs, **expected) -> None:
     runs = list(runs)
     if not runs or not expected:
         raise ValueError("ran: give at least one run and one key=value to check")
-    seen = {}
-    for key in expected:
+    seen, holds = {}, True
+    for key, want in expected.items():
         got = [_setting(r, key) for r in runs]
         missing = [r.name for r, g in zip(runs, got, strict=True) if g is _MISSING]
         if missing:
             raise KeyError(f"ran: key {key!r} is in neither summary.json nor config.json of {', '.join(missing)}")
         seen[key] = got[0] if len(set(map(repr, got))) == 1 else dict(zip((r.name for r in runs), got, strict=True))
-    claim(sentence, all(_setting(r, k) == v for r in runs for k, v in expected.items()), runs=len(runs), **seen)
+        holds = holds and all(g == want for g in got)
+    claim(sentence, holds, runs=len(runs), **seen)
+
+
+def reused(sentence: str, runs, source) -> None:
+    """Claim that each run of ``runs`` that ``--reuse`` copied is the job in the run directory ``source(run)``
+    names: it records that directory in ``reused_from`` and has its config (all but ``--out``), its job key
+    (flags, ranks, code) and its losses. Runs that were not copied ran here; both lists are printed."""
+    runs = list(runs)
+    copied = [r for r in runs if r.summary.get("reused_from")]
+
+    def same(r) -> bool:
+        src = Path(source(r))
+        if Path(r.summary["reused_from"]).resolve() != src.resolve():
+            return False
+        s, c = (json.loads((src / f).read_text()) for f in ("summary.json", "config.json"))
+        return ({**r.config, "out": None} == {**c, "out": None} and r.summary["job_key"] == s["job_key"]
+                and r.summary["losses"] == s["losses"])
+
+    claim(sentence, all(same(r) for r in copied), reused=[r.name for r in copied],
+          ran_here=[r.name for r in runs if r not in copied])
 
 
 def in_turn(sentence: str, runs) -> None:

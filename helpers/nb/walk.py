@@ -81,6 +81,14 @@ def largest(runs: dict[int, dict]) -> int:
     return max((b for b, s in runs.items() if s["memory_budget_fits"] and b < first_over), default=0)
 
 
+def walked(runs: dict[int, dict], start: int) -> bool:
+    """Whether a row's runs are a finished walk from ``start``: it began there, moved one sequence a
+    job, and ended with a batch that fits next to one that does not."""
+    bs, top = sorted(runs), largest(runs)
+    return (max(start, 1) in runs and bs == [*range(bs[0], bs[-1] + 1)] and top + 1 in runs
+            and not runs[top + 1]["memory_budget_fits"])
+
+
 def failures(walked: dict[str, dict[int, dict]]) -> dict[str, str]:
     """The runs that ended for another reason than the budget: {"KEY bB": reason}."""
     return {f"{k} b{b}": s["reason"] for k, runs in walked.items() for b, s in runs.items()

@@ -27,7 +27,8 @@ def _fsdp(s) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
     f = s.job.fsdp
-    units = [m for m in s.engine.module.modules() if isinstance(m, FSDPModule)]
+    # one unit per fully_shard call: modules sharded together (the tail) share one state
+    units = {id(m._get_fsdp_state()) for m in s.engine.module.modules() if isinstance(m, FSDPModule)}
     return {"units": f"{len(units)} FSDP units ({f.auto_wrap_policy})",
             "reshard_after_forward": f.reshard_after_forward, "prefetch": f"forward_prefetch {f.forward_prefetch}, "
             f"backward_prefetch {f.backward_prefetch}", "max_norm": s.engine.grad_clip or None,

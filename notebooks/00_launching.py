@@ -54,10 +54,10 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'nccl on ' + str(GPUS) + '
 # %% [markdown]
 # ## The configs are Accelerate's own files
 #
-# Both files use the keys `accelerate launch --config_file` reads, so you can take them
-# unchanged to a GPU node. <!-- fact: accelerate.launch_config_keys --> Our jobs (by design; not checked here) read the same keys and call the native
+# Both files use the keys `accelerate launch --config_file` reads, so you can take them to a GPU
+# node (set `num_processes` to its GPU count; not run here). <!-- fact: accelerate.launch_config_keys --> Our jobs (by design; not checked here) read the same keys and call the native
 # `fully_shard` and `deepspeed.initialize` APIs themselves (on a CPU, Accelerate's own FSDP path
-# falls back to no sharding, and only `use_cpu: true` skips its DeepSpeed path). <!-- fact: accelerate.cpu_fsdp_falls_back --> <!-- fact: accelerate.cpu_flag_skips_deepspeed -->
+# falls back to no sharding, and `use_cpu: true` turns its DeepSpeed path off). <!-- fact: accelerate.cpu_fsdp_falls_back --> <!-- fact: accelerate.cpu_flag_skips_deepspeed -->
 
 # %%
 facts.show("accelerate.cpu_fsdp_falls_back", "accelerate.cpu_flag_skips_deepspeed")
@@ -68,8 +68,9 @@ facts.show("accelerate.cpu_fsdp_falls_back", "accelerate.cpu_flag_skips_deepspee
 print(Path("launch_configs/fsdp/full_shard.yaml").read_text())
 
 # %% [markdown]
-# The DeepSpeed YAML points at a JSON file. That is where we set what makes the pair train
-# identically (notebook 12 runs pairs without it and shows where they part): **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
+# The DeepSpeed YAML points at a JSON file. That is where we set what a pair needs to train
+# identically (notebook 12 runs pairs without it and shows where they part; the linear setting
+# matters for layers with biases, which this tiny Llama has none of): **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
 # you say nothing, and Accelerate drops a `0.0` written in the YAML), bf16 on, and <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: accelerate.yaml_clip_zero_dropped -->
 # **`memory_efficient_linear: false`** (ZeRO-3 otherwise swaps torch's linear for its own,
 # which rounds layers with biases differently on batch x sequence inputs, e.g. Qwen2's: notebook 12). <!-- fact: deepspeed.zero3_swaps_linear --> <!-- fact: deepspeed.zero3_linear_rounds_bias --> <!-- fact: transformers.qwen2_qkv_bias -->
@@ -97,7 +98,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 # `torchrun` starts `NPROC` copies of `helpers.train`; each learns its `RANK` and
 # `WORLD_SIZE` from the environment. <!-- fact: torch.torchrun_sets_rank_env --> `--standalone` picks a free local port, so two
 # notebooks can launch at once. <!-- fact: torch.standalone_free_port --> With no GPU visible the job uses gloo on the CPU (and
-# tells DeepSpeed `DS_ACCELERATOR=cpu`, in `helpers.set_ds_accelerator` <!-- fact: deepspeed.ds_accelerator_env -->); with GPUs it uses nccl on CUDA, and nothing in the
+# tells DeepSpeed `DS_ACCELERATOR=cpu`, in `helpers.set_ds_accelerator`: the code, not checked here <!-- fact: deepspeed.ds_accelerator_env -->); with GPUs it uses nccl on CUDA, and nothing in the
 # command changes (not run here).
 
 # %% language="bash"
@@ -194,7 +195,7 @@ claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above st
 # %% [markdown]
 # ## When the config is wrong
 #
-# A typo is refused before any process group starts, with one line naming the file, the key and
+# A typo is refused before the job starts (no run directory, nothing printed), with one line naming the file, the key and
 # what was meant. (Under `torchrun` the launcher then adds its own failure report.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%
@@ -240,7 +241,7 @@ claim(f"each job's MFU divides by its own peak, {peak}", all(
 
 # %% [markdown]
 # * Later notebooks read run directories like this one (how their code works; not checked here).
-# * The step times above are one run each: not a speed comparison of the
+# * The step times above are one run each (the commands above): not a speed comparison of the
 #   backends (notebook 07 compares them with repeated steps and says when a difference is
 #   above the noise). Nor is MFU, which divides by each job's own peak (checked above).
 # * More in the deep dive `10_launching_details`: a bump in the loss, and the learning rate it comes with.

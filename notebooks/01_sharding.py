@@ -22,8 +22,8 @@
 # **What we run.** The main sharding modes of both backends — FSDP `NO_SHARD`, `SHARD_GRAD_OP`,
 # `FULL_SHARD`, `HYBRID_SHARD`; DeepSpeed ZeRO-0, 1, 2, 3 and ZeRO++ hpZ <!-- fact: torch.fsdp1_sharding_strategies -->
 # — on one model (`small`, 21M parameters), at 2 ranks (the hybrids at 4: they need it). Each job
-# counts the bytes every rank holds, by category, right before its optimizer step, from the live
-# tensors, next to the ZeRO model's prediction.
+# counts the bytes every rank holds, by category, next to the ZeRO model's prediction (it reads
+# the live tensors right before its optimizer step: how the job measures, not checked here).
 
 # %%
 import os

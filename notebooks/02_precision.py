@@ -93,8 +93,10 @@ ran("the three modes train the tiny model, loaded in bf16, on the same seeded ba
 
 # %% [markdown]
 # **What it shows.** Aligned FSDP and DeepSpeed draw one line; the low-precision run's drop is
-# under a third of theirs (checked below). What differs is the dtype of the weights the optimizer
-# updates: bf16 in the low-precision run, fp32 in the other two (section 3 shows every stage).
+# under a third of theirs (checked below). The weights the optimizer updates are bf16 in the
+# low-precision run and fp32 in the other two; its gradients and Adam's states change with them,
+# and the aligned pair differs in what it stores (section 3 shows every stage). Our reading: the
+# bf16 update is what stalls; section 4 counts it.
 
 # %%
 claim("the three runs start from the same loss",
@@ -262,7 +264,8 @@ if nb.bitwise_parity_expected(NPROC):  # as the losses above
 #
 # ## 5 · What the upcast costs
 #
-# Bytes each rank held after step 1's backward, measured from the live tensors.
+# Bytes each rank held after step 1's backward (the job reads the live tensors: how it measures,
+# not checked here).
 
 # %%
 plots.run_memory_bars([low, mixed, ds], NAMES)
@@ -339,7 +342,7 @@ for n, r in RUNS.items():
 print(f"  fix 1, low precision at lr {LR_SCALED}: drop {d_scaled:.3f}; "
       f"fix 2, lr {LR_HIGH}: low precision {d_low_hi:.3f} vs aligned {d_mixed_hi:.3f}")
 slow = drops["FSDP low precision"]
-claim(f"at lr {LR} bf16-only FSDP trained far more slowly than aligned FSDP and DeepSpeed (under a third of the drop)",
+claim(f"at lr {LR} bf16-only FSDP's loss fell far less than aligned FSDP's and DeepSpeed's (under a third of the drop)",
       slow < drops["FSDP aligned"] / 3 and slow < drops["DeepSpeed ZeRO-3"] / 3, drops=drops)
 doubled = total["FSDP aligned"] / total["FSDP low precision"]
 claim("larger rates move the slow run, but they are other runs; mixed precision (mixed_precision: bf16, fp32 shards) "

@@ -69,7 +69,7 @@ print(tables.settings_table(CONFIGS).to_string())
 # %% [markdown]
 # ## Five runs
 #
-# Each run records, after the backward pass of step 1, every tensor of the four kinds of state on
+# Each run records (how the job measures; not checked here), after the backward pass of step 1, every tensor of the four kinds of state on
 # each rank and where it is (`memory_location_bytes` in `summary.json`): on a GPU the tensor's
 # device; here the backend's offload bookkeeping (FSDP2's `offload_to_cpu` per parameter, <!-- fact: torch.fsdp2_offload_policy_per_module -->
 # DeepSpeed's `offload_optimizer`/`offload_param` and each partition's final location).
@@ -234,8 +234,8 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (the deep di
           lo[9] > lo[8] + 0.3 and all(b < a for a, b in zip(lo[:9], lo[1:9])), step0=lo[0], step8=lo[8], step9=lo[9])
 
 # %% [markdown]
-# On this CPU, offload changed the backends' bookkeeping and copies, not the arithmetic: the same
-# torch AdamW steps on the host (our JSONs set `zero_force_ds_cpu_optimizer: false`), <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off -->
+# On this CPU, offload changed the backends' bookkeeping and copies, not the arithmetic (our reading:
+# the same torch AdamW steps on the host, as our JSONs set `zero_force_ds_cpu_optimizer: false`), <!-- fact: deepspeed.offload_needs_force_cpu_optimizer_off -->
 # so the losses are the same bit for bit. On a GPU the step moves to the host; <!-- fact: deepspeed.offload_optimizer_steps_on_host -->
 # we do not assume it rounds like the GPU's kernels, so there the check allows 1% per step (not yet
 # run).

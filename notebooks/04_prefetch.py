@@ -170,7 +170,7 @@ claim("with forward prefetch, block 1's gather starts before block 0's forward i
 # %% [markdown]
 # ## 2 · Collectives per step, checked against the units
 #
-# FSDP's count follows from its units: forward gathers each unit once; backward gathers again
+# FSDP's count follows from its units: forward gathers each unit that holds parameters once; backward gathers again
 # every unit that resharded after forward (the embedding and the blocks; the final norm + head
 # unit stays gathered, needed again at once, and the root holds no parameters here); <!-- fact: accelerate.fsdp2_keeps_root_tail_gathered -->
 # gradients are reduce-scattered once per unit that holds parameters. Prefetch changes *when*,
@@ -233,7 +233,8 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # **Step time.** Medians and quartiles of each job's two profiled steps: one run each, a rough
 # look that calls no verdict (notebook 07 says why). On
 # gloo FSDP2 waits for each gather, so by design its prefetch reorders them and cannot hide them
-# behind compute. <!-- fact: torch.fsdp2_gathers_synchronous -->
+# behind compute <!-- fact: torch.fsdp2_gathers_synchronous -->; a difference between two single runs
+# is not evidence against that (notebook 07 shows runs drift).
 
 # %%
 timed = {k: r.metrics.step.iloc[WARMUP_STEPS:].tolist() for k, r in pf.items()}  # the steps step_times keeps

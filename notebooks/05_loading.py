@@ -143,7 +143,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 # **What it means.**
 #
 # * **Naive**: every rank peaks above the whole model in fp32 (after the upcast; the dashed line). Ranks on one
-#   machine load side by side, each holding its own full copy.
+#   machine load at the same time (not checked here), each holding its own full copy.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they
 #   peak far below naive. Rank 0 builds the whole state dict in its own memory, in the load
@@ -158,7 +158,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 #   which we have not broken down. What they show is that every rank, rank 0 included, stays
 #   well below naive.
 #
-# The checks below hold these statements to the numbers of this run.
+# The checks below hold these statements' numbers to this run.
 
 # %%
 facts.show("torch.broadcast_from_rank0_per_tensor", "deepspeed.zero_init_partitions_on_creation",

@@ -60,7 +60,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
 #
 # Each rank also saves its RNG state; a step's data is a pure function of the step number,
-# so the step counter is the data position (how `helpers.train` is built; not checked here). (A save killed halfway leaves nothing that passes
+# so the step counter is the data position (by design; not checked here). (A killed save leaves nothing that passes
 # for a checkpoint: the deep dive `16_checkpointing_details` kills one.)
 #
 # ## The uninterrupted run
@@ -168,7 +168,7 @@ fig.tight_layout()
 # those tensors: `tests/test_convert_layouts.py`, `tests/test_checkpoint.py`), and FSDP and
 # ZeRO-3 to compute the same bits per step, as they did here on CPU/gloo (notebook 00; on GPUs the
 # check allows 1e-2). The jump at step 9 (on 2 ranks) is the loss bump the deep dive
-# `10_launching_details` traces to the learning rate (printed below), on both lines alike. The checks:
+# `10_launching_details` looks at (our rate is printed below), on both lines alike. The checks:
 
 # %%
 after = straight.metrics.step >= K  # the first K steps are the uninterrupted run's own (the relay starts from them)
@@ -190,7 +190,7 @@ if 3 * K > 10 and NPROC == 2:  # the step checked on 2 ranks only (notebook 10 r
 # %% [markdown]
 # Weights alone would not do: Adam would restart with zero moments at step 1, <!-- fact: torch.adam_state_lazy -->
 # and the first update after the switch would differ (not run here). So the converter carries
-# the optimizer state too (the table's `convert` rows: fp32 `optim`).
+# the optimizer state too (the table's `convert` rows: fp32 `optim`; not checked).
 #
 # ## What each kind of checkpoint costs
 #
@@ -265,8 +265,8 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
 # fine-tune, not for an exact resume. <!-- fact: deepspeed.save_16bit_model_weights_only -->
 # FULL and SHARDED hold about the same bytes; the difference is *who writes them*: FULL gathers
 # everything into rank 0's memory and one file, <!-- fact: torch.full_state_dict_rank0 --> SHARDED
-# lets every rank write its own part <!-- fact: torch.dcp_file_per_rank --> (the save times above
-# are one save each, not a comparison).
+# lets every rank write its own part <!-- fact: torch.dcp_file_per_rank --> (the table's save
+# times are one save each: not a comparison).
 #
 # ## Recap
 #

@@ -199,12 +199,12 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
 # **What it means.** Here the two backends train identically. Whether one was faster is the
 # verdict above (its rule is checked with it); the write-up's two figures differ by 2%.
 # Each job measures its peak again, and the four can differ (by how much here: printed above), so MFU can move with the
-# measured peak as well as with tokens/s: compare the backends by tokens/s. "tokens/s/device" here
+# measured peak as well as with tokens/s (our reading): compare the backends by tokens/s. "tokens/s/device" here
 # is per rank; on this machine the ranks share one CPU (checked above). The last check sets our absolute numbers beside the write-up's.
 #
 # ## What may limit MFU here (not measured), and what changes on a GPU node
 #
-# * **One thread per rank.** Each rank computes on one thread (`nb.setup` sets `OMP_NUM_THREADS=1`); the peak is one
+# * **One thread per rank.** Each rank computes on one thread (`nb.setup` sets `OMP_NUM_THREADS=1` unless you set it); the peak is one
 #   thread's (its source, checked above). <!-- fact: torch.omp_num_threads_sets_intraop --> On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters its
 #   gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults -->
@@ -228,7 +228,8 @@ pd.concat([pair.assign(model="tiny"), SEEDS.assign(model="Granite 7B")]).round(3
 # * MFU = FLOPs per token (`6 N + 12 L H Q T`, embedding left out) x tokens/s / peak; the same
 #   `6 N` term gives the write-up's MFU from its tokens/s to within 10%.
 # * Here the aligned pair trains identically on both backends; its speed difference is the verdict
-#   printed above, which names a faster backend only when runs made in turn all part.
+#   printed above, which names a faster backend only when runs made in turn all part and their
+#   steps' quartiles part too.
 # * How throughput and MFU move with the model's size and the number of ranks, and bf16 against
 #   fp32 matmul peaks on a CPU: the deep dive `17_scaling`. The harness's own cost: `python benchmarks/overhead.py`.
 #

@@ -26,8 +26,8 @@
 # one budget; then jobs of two steps under `--memory-budget-gib` find this run's answer. On a GPU
 # the budget is the allocator's limit <!-- fact: torch.cuda_memory_fraction_oom -->; on this
 # CPU the job counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's
-# allocator events <!-- fact: torch.profiler_cpu_memory_events -->) and stops when it passes
-# the budget.
+# allocator events <!-- fact: torch.profiler_cpu_memory_events -->) and stops after step 1 if it
+# passed the budget.
 #
 # **What we look at.** The max-batch table next to the write-up's rows; why ZeRO-3 fits no
 # more than FULL_SHARD; what offload and DeepSpeed's bucket do. Activation
@@ -220,7 +220,7 @@ _ = ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUD
 # Both shard 16 bytes per parameter. <!-- fact: deepspeed.zero3_16_bytes_per_param --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
 # ZeRO-3 also keeps the small parameters whole on every rank (notebook 02): on this tiny model,
 # every decoder weight. The state each job measured (after backward, before the optimizer
-# step; `-`: not measured), next to the estimator's categories (FSDP's `params` are fp32; DeepSpeed's are bf16, next to the fp32
+# step: how the job measures, not checked here; `-`: not measured), next to the estimator's categories (FSDP's `params` are fp32; DeepSpeed's are bf16, next to the fp32
 # `master_params`): <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 
 # %%
@@ -332,7 +332,7 @@ claim(f"so on this small model DeepSpeed's defaults need more memory than FSDP: 
 #
 # ## Recap
 #
-# Each line is checked by a cell above, on this machine:
+# Checked above, on this machine, but for the parts labelled otherwise:
 #
 # * The states (the estimator's count) were a real share of the budget. The estimator's prediction was within two
 #   micro-batches of the runs' answer on the FSDP rows, and zero to three above it on DeepSpeed's.

@@ -123,7 +123,7 @@ ax.legend(loc="upper right", ncol=2);
 # %% [markdown]
 # **What it means.** A frozen parameter keeps only its weight: no gradient, no Adam moments,
 # no fp32 master. FSDP shards that weight like any other (each rank holds 1/N of it), and so does
-# ZeRO-3, but for the small parameters it keeps whole (below).
+# ZeRO-3, which also keeps whole copies of the small parameters next to their 1/N (below).
 # ZeRO-2 keeps it whole on every rank, in bf16: its flat buffers hold only what the optimizer
 # steps, so a frozen parameter stays a plain module parameter (ZeRO-1 too, not run here:
 # `tests/test_lora.py`). FSDP keeps the frozen weight in bf16: the job applies
@@ -180,8 +180,9 @@ claim(f"ZeRO-3 holds {extra_B / 2**20:.3f} MiB more than the estimator counts: e
 #
 # `python -m helpers.estimate ... --peft FILE` counts the adapter's state and the frozen weights.
 # A frozen base also keeps fewer activations: a frozen layer's input is not needed for a weight
-# gradient. The estimator traces the forward with fake tensors (which compute nothing), with and
-# without the adapter, and scales its activation formula by the ratio.
+# gradient (our reading; not measured here). The estimator traces the forward with fake tensors
+# (which compute nothing), with and without the adapter, and scales its activation formula by the
+# ratio (how it works; not checked here).
 #
 # Here DeepSpeed's peaks sit near 1 GB: a fixed gradient bucket of `reduce_bucket_size` elements in
 # bf16 (DeepSpeed's default; these JSONs leave it unset) is allocated whole, on top of what the

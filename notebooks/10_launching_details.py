@@ -96,15 +96,15 @@ for r in (fsdp, ds):
 # %%
 slow = results.load_run("notebooks/runs/10_fsdp_lr1e-3")
 changed = {k: v for k, v in slow.config["train"].items() if fsdp.config["train"].get(k) != v}
-claim("the slower job is the same FSDP job (same steps, seed, ranks) but for the rate", changed == {"lr": 1e-3} and
+claim("the lower-rate job is the same FSDP job (same steps, seed, ranks) but for the rate", changed == {"lr": 1e-3} and
       (slow.summary["mode"], slow.summary["world_size"]) == (fsdp.summary["mode"], fsdp.summary["world_size"]),
       changed=changed, steps=slow.summary["steps"])
 near = fsdp.metrics[(fsdp.metrics.loss - math.log(97)).abs() < 0.03]
 claim(f"the 3e-3 loss lingers near ln 97 = {math.log(97):.2f}: three or more steps within 0.03 of it", len(near) >= 3,
       steps=near.step.tolist(), losses=near.loss.round(3).tolist())
-claim("the default runs kept lr 3e-3 at every step (no warm-up), the slower one 1e-3",
+claim("the default runs kept lr 3e-3 at every step (no warm-up), the lower-rate one 1e-3",
       all((r.metrics.lr == 3e-3).all() for r in (fsdp, ds)) and (slow.metrics.lr == 1e-3).all(),
-      lrs={name: sorted(set(r.metrics.lr)) for name, r in (("FSDP", fsdp), ("DeepSpeed", ds), ("FSDP slow", slow))})
+      lrs={name: sorted(set(r.metrics.lr)) for name, r in (("FSDP", fsdp), ("DeepSpeed", ds), ("FSDP lr 1e-3", slow))})
 plots.run_curves([fsdp, slow], "loss", labels=["FSDP, lr 3e-3", "FSDP, lr 1e-3"], title="loss per step");
 rise = slow.metrics.loss.diff().max()
 claim("at lr 1e-3 no step raises the loss by more than 0.1", rise < 0.1, largest_rise=rise)

@@ -192,7 +192,7 @@ for ws in sorted(set(mem.world_size)):
 # DeepSpeed runs ZeRO-0 in bf16 through a separate optimizer wrapper (`FP16_UnfusedOptimizer`)
 # instead of its ZeRO code <!-- fact: deepspeed.zero0_bf16_optimizer -->. The two already report
 # different gradient norms at step 0, before any update (printed below with the final losses; ZeRO-0's
-# norm is the wrapper's own). We have not traced which stage differs (`--trace-tensors` reads ZeRO-3 partitions only); `python -m
+# norm is the wrapper's own). We have not traced which stage differs (`--trace-tensors` supports FSDP and ZeRO-3 only); `python -m
 # helpers.compare RUN_A RUN_B` names the first step (notebook 12 shows it). ZeRO-1 and ZeRO-2
 # (one ZeRO optimizer class; ZeRO-3 runs another) do match FSDP: <!-- fact: deepspeed.zero_optimizer_classes -->
 

@@ -25,7 +25,7 @@
 # **What we run.** (1) The parity conditions, the two a config carries checked in the shipped
 # configs and on one bf16 layer; (2) DeepSpeed's implicit clipping against FSDP without and with the same clipping;
 # (3) `helpers.compare` on two pairs that part; (4) gradient accumulation on both backends;
-# (5) `helpers.switch` over twenty model families, and Qwen2 and Llama under ZeRO-3's default linear.
+# (5) `helpers.switch` over twenty family configs (19 model types), and Qwen2 and Llama under ZeRO-3's default linear.
 
 # %%
 import json
@@ -82,7 +82,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 #   bf16-rounded weights (notebook 02's bf16 weight curves coincide).
 # * **The gradient norm's arithmetic**, which only clipping reads in training: FSDP's engine sums the
 #   per-shard norms in ZeRO-3's order <!-- fact: deepspeed.zero3_grad_norm_fp64 --> (another order of the same sum can part in the last
-#   bit).
+#   bit; not run here).
 # * **Gradient accumulation** agrees closely, not bitwise (section 4).
 #
 # Clipping and the linear are settings a config carries; the check below reads them from the shipped
@@ -109,8 +109,8 @@ for name, bias in (("zero bias", torch.zeros(32, dtype=torch.bfloat16)),
                    ("bias", torch.randn(32, generator=g).bfloat16())):
     ours, theirs = torch.nn.functional.linear(x, w, bias), zero3_linear_wrap(x, w, bias)
     lin_gap[name] = int((ours != theirs).sum())
-claim(f"torch's linear and ZeRO-3's agree on a bf16 layer with a zero bias and part with a bias (outputs differing "
-      f"of {2 * 16 * 32})", lin_gap["zero bias"] == 0 and lin_gap["bias"] > 0, differing=lin_gap)
+claim(f"torch's linear and ZeRO-3's agree on a bf16 layer with a zero bias and part with a bias (outputs "
+      f"differing, out of {2 * 16 * 32})", lin_gap["zero bias"] == 0 and lin_gap["bias"] > 0, differing=lin_gap)
 
 # %% [markdown]
 # ## 2 · One implicit default: clipping
@@ -179,7 +179,7 @@ claim("both sides reduce gradients in bf16", fsdp_hi.summary["dtypes"]["reduce_d
       == ds_clip.summary["dtypes"]["reduce_dtype"], reduce=[fsdp_hi.summary["dtypes"]["reduce_dtype"],
                                                             ds_clip.summary["dtypes"]["reduce_dtype"]])
 norms = {r.name: float(r.metrics["grad_norm"].min()) for r in (fsdp_hi, ds_clip, fsdp_clip)}
-claim("gradient norms exceed 1 at every step of all three runs, so the clip at 1.0 acts",  # fact: deepspeed.gradient_clipping_default
+claim("gradient norms exceed 1 at every step of all three runs, so a clip at 1.0 acts wherever it is on",  # fact: deepspeed.gradient_clipping_default
       all(v > 1.0 for v in norms.values()), smallest_norm=norms)
 claim("step 0 is identical; the runs part from step 1, by a small drift (under 1e-2) still there at the last step",
       drift.iloc[0] == 0 and drift.iloc[1] > 0 and drift.iloc[-1] > 0 and drift.max() < 1e-2,
@@ -301,8 +301,8 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
       differing_params=None if acc.tensor is None else f"{acc.tensor.differing} of {acc.tensor.total}")
 
 # %% [markdown]
-# Close, but not bit for bit, although nothing is clipped. The two backends add the same
-# numbers in a different order and precision: FSDP2 sums the micro-batch gradients on each
+# Close, but not bit for bit, although nothing is clipped. Our reading: the two backends add the
+# same numbers in a different order and precision (the facts below; the runs do not trace the sums): FSDP2 sums the micro-batch gradients on each
 # rank (in bf16) and reduces once, <!-- fact: torch.fsdp2_no_sync_accumulates_unreduced --> while ZeRO-3, run as here, reduces every micro-batch
 # (its `no_sync()` refuses ZeRO-3; `coalesce_grad_reduction()`, unused here, would defer it) <!-- fact: deepspeed.zero3_no_sync_refused -->
 # and adds the reduced shards in its gradient buffer, <!-- fact: deepspeed.zero3_adds_reduced_grads -->
@@ -313,7 +313,7 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 # `compare` agrees: every micro-batch's local gradient is the same on both sides at step 0;
 # the first tensors that differ are the reduced gradients of that step.
 #
-# ## 5 · Twenty model families, checked with `helpers.switch`
+# ## 5 · Twenty family configs, checked with `helpers.switch`
 #
 # Is parity a property of the tiny Llama only? `python -m helpers.switch` answers it for any
 # model: it translates a config to the other backend, runs both jobs in one launch with tensor and
@@ -423,7 +423,7 @@ claim(f"in the sweep's llama ZeRO-3's rank 0 holds {1 + 1 / NPROC:.2f} whole cop
 
 # %% [markdown]
 # In the settings table, ZeRO-3's rank 0 holds more than a whole copy of the params: it keeps every
-# weight under `stage3_param_persistence_threshold` whole on every rank, next to its partition,
+# weight under `stage3_param_persistence_threshold` whole (on every rank; rank 0 is the one measured), next to its partition,
 # and in the family sweep's llama that is every weight (checked above). <!-- fact: deepspeed.zero3_persistent_keep_partition -->
 #
 # On this CPU every family swept is bit-identical under the shipped aligned pair for the steps it
@@ -463,15 +463,15 @@ claim("compare names where two runs part: the stalling pair's bf16 update, the i
 # %% [markdown]
 # * Parity takes explicit choices: the same reductions and starting weights, and none of the
 #   parity-breaking DeepSpeed defaults left implicit; even then gradient accumulation (next bullet)
-#   and one FSDP default (last bullet) part runs. Clipping at 1.0 when `gradient_clipping` is absent, and ZeRO-3's own
-#   linear for biased `Linear` layers on batch x sequence inputs (Qwen2's, here), <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
+#   and one FSDP default (last bullet) part runs. Clipping at 1.0 when `gradient_clipping` is absent (once the norm passes 1), and ZeRO-3's own
+#   linear for biased `Linear` layers on batch x sequence inputs (run here on Qwen2 only), <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
 # * Gradient accumulation agrees closely but not bitwise: the backends reduce and accumulate in a
 #   different order (our reading of the fact). <!-- fact: deepspeed.zero3_adds_reduced_grads -->
 # * `python -m helpers.compare` names the first step, and with `--trace-tensors` the first
 #   tensor, stage and dtypes, where two runs part: the bf16 update of the stalling pair, the
 #   reduced gradient (where the implicit clip acted) of the implicit default.
 # * `python -m helpers.switch` runs both backends on a model config and names the first module
-#   that differs: every family swept is identical, for the steps it ran, but OLMo-2 (FSDP casts its fp32 rotary cos/sin to
+#   that differs: every family swept is identical, for the steps it ran, but OLMo-2 (our reading: FSDP casts its fp32 rotary cos/sin to
 #   bf16): a third breaker, an FSDP default.
 #
 # Back to the path: `03_offload`.

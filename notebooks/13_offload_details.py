@@ -62,7 +62,7 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # decoder-layer matrices too). Large enough, but not left on disk: ZeRO-3 swaps them out as it
 # builds the model, then reads them back into a host buffer for good, because `offload_param.max_in_cpu` (1e9 elements by default; our config
 # leaves it) lets every partition of a model this size live in host memory. <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu --> To keep parameters
-# on NVMe, set it below the partitions' total. The two limits, and both models' sizes next to them
+# on NVMe, set it below the partitions' total (not run here). The two limits, and both models' sizes next to them
 # (bf16 partitions of 1/`NPROC`, built on the meta device: no weights). (The printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
 
 # %%
@@ -336,9 +336,9 @@ if NVME_OK:
 # %% [markdown]
 # ## 3 · What the copies cost
 #
-# Step time of each run against the same backend without offload: the median of the steps
-# after the warm-up steps the jobs' own medians leave out, and their quartiles. Each config
-# ran once, so a ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
+# Step time of each run against the same backend without offload (how the cell computes it: the
+# median of the steps after the warm-up steps the jobs' own medians leave out, and their
+# quartiles). Each config ran once (the launch cells above), so a ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
 # and claims no cost (notebook 07 interleaves repeated runs where it claims one).
 
 # %%

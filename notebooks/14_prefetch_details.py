@@ -228,7 +228,7 @@ claim("wherever rank 0 both computed and communicated for over 1 ms, a good part
 # %% [markdown]
 # ## 3 · `--compile`
 #
-# `helpers.train --compile` compiles each decoder block in place *before* `fully_shard` (FSDP2);
+# `helpers.train --compile` compiles each decoder block in place *before* `fully_shard` (FSDP2; the code, not checked here);
 # FSDP's hooks (gather before, reshard after) then run inside the compiled call, but torch marks
 # them dynamo-disabled, so they stay out of the graph. <!-- fact: torch.fsdp2_hooks_not_compiled --> On
 # DeepSpeed it calls the engine's `compile()`, which compiles the wrapped module. <!-- fact: deepspeed.engine_compile_module -->

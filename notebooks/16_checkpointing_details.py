@@ -17,7 +17,7 @@
 # # 16 · Deep dive: checkpoints in detail
 #
 # **The question.** Notebook 06 relayed one run between FSDP and DeepSpeed at a fixed number of
-# ranks. Here: what does a save leave behind when the job dies halfway through it? Can a 2-rank
+# ranks. Here: what does a save leave behind when the job dies before it finishes? Can a 2-rank
 # checkpoint resume on 1 rank, and do DeepSpeed's universal checkpoint, the guide's conversion and
 # FSDP's DCP files agree there? Do `zero_to_fp32`, DeepSpeed's 16-bit file and a Hugging Face
 # export hold the same weights? (A deep dive from notebook 06; the core path goes on with 07.)
@@ -48,10 +48,10 @@ os.environ.update(MODEL=MODEL, K=str(K), K2=str(2 * K), K3=str(3 * K), NPROC=str
 print(f"size={SIZE}: model {MODEL}, K={K} on {NPROC} ranks")
 
 # %% [markdown]
-# ## 1 · A save that dies halfway
+# ## 1 · A save that dies before it finishes
 #
 # By design (not traced here), a save writes everything to `D/.step_K.tmp`, `meta.json` last, and only then
-# renames the directory to `D/step_K`. So a job killed halfway leaves a `.tmp` directory that the guide's
+# renames the directory to `D/step_K`. So a job killed during a save leaves a `.tmp` directory that the guide's
 # reader refuses, and the previous `step_*` complete. Below, the last rank kills
 # itself inside the save of step `3K` (the hook `tests/test_checkpoint.py` uses, `GUIDE_FAIL_*`;
 # never set in real runs). The DeepSpeed job then resumes from the FSDP job's step `K`.
@@ -119,7 +119,7 @@ else:
 #
 # DeepSpeed's ZeRO files resume with their optimizer state only at the world size that wrote them. <!-- fact: deepspeed.zero_checkpoint_fixed_world_size -->
 # Its own answer is the **universal checkpoint**: `helpers.convert --to universal` runs
-# DeepSpeed's `ds_to_universal`, and `deepspeed/zero3_universal.json` (which its YAML names) sets
+# DeepSpeed's `ds_to_universal`, and `launch_configs/deepspeed/zero3_universal.json` (which its YAML names) sets
 # `"checkpoint": {"load_universal": true}`, so DeepSpeed's loader reads it. <!-- fact: deepspeed.universal_checkpoint_tools -->
 # The guide's `--to deepspeed` is not tied to the world size either (here 2 ranks to 1). FSDP's DCP files reshard as they
 # load. <!-- fact: torch.dcp_file_per_rank --> Below, DeepSpeed's step-`2K` checkpoint resumes on
@@ -225,7 +225,7 @@ claim("the safetensors export holds fp32 weights only: 4 bytes per parameter",
 # %% [markdown]
 # ## Recap
 #
-# * A save killed halfway left a `.tmp` directory that the guide refuses, and the checkpoints
+# * A save killed before it finished left a `.tmp` directory that the guide refuses, and the checkpoints
 #   before it complete.
 # * On 1 rank, a 2-rank checkpoint resumed through DeepSpeed's universal checkpoint, through the
 #   guide's conversion and, for FSDP, from its own DCP files, with the same losses (on this CPU,

@@ -54,7 +54,7 @@ print(f"size={SIZE}: sizes {SIZES} on {NPROC} ranks; ranks {RANK_SWEEP} on {RANK
 #
 # How fast a CPU runs a bf16 matmul depends on its instructions (torch's compiled CPU kernels,
 # not checked here). The cell below lists what this one has, measures both peaks here (one
-# thread, three rounds in turn) and checks which dtype is faster (without bf16
+# thread, three rounds in turn) and checks which dtype is faster (our reading: without bf16
 # instructions, fp32 over 3x bf16; with them, bf16 above fp32: the check for a CPU that has them, not run here). On a GPU, bf16 tensor cores
 # are the fast path (not checked here). The peak is measured in the job's dtype, so MFU
 # counts against the arithmetic the job does; each job measures it again (the size sweep's
@@ -155,8 +155,8 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
        for m in SIZES})
 
 # %% [markdown]
-# **What it means.** Bigger models process fewer tokens per second (more FLOPs per token),
-# and in these one-job-per-point runs the ones larger than `tiny` use the core better than `tiny` does (each MFU against its own
+# **What it means.** In these one-job-per-point runs, `small` processes fewer tokens per second than `tiny` (more FLOPs per token),
+# and uses the core better than `tiny` does (each MFU against its own
 # job's measured peak, which moves from job to job: the range printed above). Our reading (the
 # fixed costs are not measured here): a `tiny` step is a few small matmuls wrapped in fixed costs —
 # Python, launching each op, the optimizer's per-parameter loop (FSDP's; DeepSpeed steps one
@@ -223,7 +223,7 @@ elif not GPUS:
 
 # %% [markdown]
 # **What it means.** Here 4 ranks share the cores (checked above), so ranks share a core's
-# peak, while each job's peak is measured by rank 0 alone (its recorded source): the 4-rank MFU
+# peak, while each job's peak is measured by rank 0 alone (how the job measures; not checked here): the 4-rank MFU
 # divides by a whole core's peak, while four ranks shared two cores. How much of the per-rank ratio above is that sharing is not measured here (our reading:
 # it depends on how long a rank waits in collectives, leaving the core to the other); the ratios
 # above come from one short job each, so no speed conclusion is drawn from them. On a GPU node
@@ -231,7 +231,7 @@ elif not GPUS:
 #
 # ## Recap
 #
-# * Here, bigger models processed fewer tokens per second, and the ones larger than `tiny` used
+# * Here (one job per point), `small` processed fewer tokens per second than `tiny` and used
 #   the core better (higher MFU); fixed costs per op are our reading of why.
 # * Here 4 ranks ran on fewer cores (checked above), so they shared them. The ratios above are
 #   one short job each: no speed conclusion is drawn from them.

@@ -44,7 +44,7 @@ from helpers import nb
 from helpers.core.config import load_job_config
 from helpers.core.mapping import MODES
 from helpers.nb import plots, results, walk
-from helpers.nb.claims import claim, in_turn, ran, reused, step_times, timing
+from helpers.nb.claims import claim, in_turn, ran, reused, step_times, timing_runs
 
 SIZE = nb.setup()  # "quick" under `make test`: shorter timing runs
 GPUS = nb.gpu_count()
@@ -241,10 +241,11 @@ if nb.bitwise_repeat_expected():  # a CPU; on a GPU only with --deterministic (s
 else:
     gap = max(abs(x - y) / abs(x) for a, b in zip(plain, ckpt) for x, y in zip(a.metrics["loss"], b.metrics["loss"]))
     claim("the losses with checkpointing are within 1% of those without, step by step", gap < 0.01, relative_gap=gap)
-t = timing("checkpointed", [x for r in ckpt for x in step_times(r)], "plain", [x for r in plain for x in step_times(r)])
+t = timing_runs("checkpointed", ckpt, "plain", plain)  # the runs were made in turn (checked above)
 print(t)
 print(f"recompute cost here: x{t.ratio:.2f}" + (" (the spreads overlap: no speed difference is claimed)"
-                                                if t.verdict == "within noise" else f", {t.verdict}: the spreads part"))
+                                                if t.verdict == "within noise" else f", {t.verdict}: each checkpointed run's median "
+                                                "beyond each plain one's, and the steps' quartiles apart"))
 ax = plots.plt.subplots(figsize=(6, 3))[1]
 box = ax.boxplot([[x for r in plain for x in step_times(r)], [x for r in ckpt for x in step_times(r)]],
                  patch_artist=True, medianprops={"color": "black"})
@@ -288,9 +289,8 @@ print(f"median |error| {median:.2f}% over {len(PEAKS)} runs; the same job twice 
       f"{[(round(x / 2**20, 2), round(y / 2**20, 2)) for x, y in pairs]} MiB, {100 * repeat:.2f}% apart at most")
 claim(f"every run here measured its peak on each of its {NPROC} ranks", all(
     len(summary(n)["peak_tensor_bytes"]) == NPROC and min(summary(n)["peak_tensor_bytes"]) > 0 for n in names), runs=len(names))
-# measured on this CPU: 1.9% to 3.3% from pass to pass, at both sizes (a row's peak moves between identical
-# jobs: the line above). A GPU's peaks
-# are not checked here.
+# the bound on a CPU, where a row's peak moves between identical jobs (the line above); a GPU's peaks are
+# not checked here
 bound = 10 if GPUS else 5
 claim(f"the median error is within {bound}%", median <= bound, median_pct=median)
 is_ds = PEAKS["run"].str.startswith("zero3_bucket")
@@ -470,8 +470,8 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 # * Activation checkpointing raised the largest batch of every method that fit one sequence at
 #   all: it cut the activation bytes per sequence by the same bytes (within 1%) whatever the
 #   sharding. It left the losses bit-identical on this CPU (the FULL_SHARD timing pair); its
-#   recompute cost is printed with a timing verdict (slower or faster only where the step
-#   times' spreads part), not checked.
+#   recompute cost is printed with a timing verdict (slower or faster only where every run of one
+#   side is beyond every run of the other and the steps' quartiles part), not checked.
 # * The estimator's prediction was within two micro-batches of the runs' answer on the FSDP
 #   rows and zero to three above it on DeepSpeed's. Its median peak error over this notebook's runs was
 #   within 5% on this CPU; every FSDP row was within 10%, or one of two identical jobs whose peaks moved

@@ -112,7 +112,7 @@ if nb.bitwise_parity_expected(N):
 # is the gradient flowing into the layers below, which (our reading) is why the last layer's adapters still agree
 # and every layer under it parts. An adapter whose input no other module reads, such as `o_proj` or
 # `down_proj`, gets just two gradients there (base and adapter), and a sum of two is the same in
-# either order: that pair stays bit for bit.
+# either order (our reading): that pair stayed bit for bit here.
 
 # %%
 facts.show("deepspeed.zero3_module_io_autograd_functions")

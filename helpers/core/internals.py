@@ -59,6 +59,14 @@ def fsdp_params(model):
             seen.add(id(group))
 
 
+@reads("torch", "torch.distributed.fsdp:FSDPModule._get_fsdp_state")
+def fsdp_unit_count(model) -> int:
+    """FSDP units: one per ``fully_shard`` call (modules sharded together, the norm + lm_head tail, share one
+    state), as ``helpers.job.wrap.units`` plans them."""
+    from torch.distributed.fsdp import FSDPModule
+    return len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
+
+
 @reads("torch", "torch.distributed.tensor._utils:compute_local_shape_and_global_offset")
 def dtensor_global_offset(p) -> tuple[int, ...]:
     """Where this rank's piece of DTensor ``p`` starts in the whole, per dimension. For the tensor tracer."""

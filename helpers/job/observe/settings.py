@@ -24,12 +24,10 @@ def _optimizer(engine) -> dict:
 
 
 def _fsdp(s) -> dict:
-    from torch.distributed.fsdp import FSDPModule
+    from helpers.core.internals import fsdp_unit_count
 
     f = s.job.fsdp
-    # one unit per fully_shard call: modules sharded together (the tail) share one state
-    units = {id(m._get_fsdp_state()) for m in s.engine.module.modules() if isinstance(m, FSDPModule)}
-    return {"units": f"{len(units)} FSDP units ({f.auto_wrap_policy})",
+    return {"units": f"{fsdp_unit_count(s.engine.module)} FSDP units ({f.auto_wrap_policy})",
             "reshard_after_forward": f.reshard_after_forward, "prefetch": f"forward_prefetch {f.forward_prefetch}, "
             f"backward_prefetch {f.backward_prefetch}", "max_norm": s.engine.grad_clip or None,
             "norm_dtype": "fp64", "grad_accum": s.job.train.grad_accum, "micro_batch": s.job.train.micro_batch,

@@ -86,7 +86,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 # A config is checked before training starts. `python -m helpers.config` runs the
 # same check on its own, so you can validate an edited file first. Its `note:` lines name the
 # keys that have no effect here (the three that only `accelerate launch` reads, to start the
-# processes, are in every shipped file): <!-- fact: accelerate.launch_only_keys -->
+# processes, are in every shipped YAML): <!-- fact: accelerate.launch_only_keys -->
 
 # %% language="bash"
 # python -m helpers.config launch_configs/fsdp/full_shard.yaml --world-size $NPROC
@@ -195,7 +195,7 @@ claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above st
 # %% [markdown]
 # ## When the config is wrong
 #
-# A typo is refused before the job starts (no run directory, nothing printed), with one line naming the file, the key and
+# A typo is refused before the job starts (no run directory, nothing else printed), with one line naming the file, the key and
 # what was meant. (Under `torchrun` the launcher then adds its own failure report.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%

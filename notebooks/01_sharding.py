@@ -197,7 +197,7 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
 #   partitions at the accumulation boundary; ZeRO-2 reduces bucket by bucket as backward runs. <!-- fact: deepspeed.zero1_reduces_at_boundary -->
 # * **SHARD_GRAD_OP vs FULL_SHARD.** SHARD_GRAD_OP keeps each unit's gathered weights from forward
 #   to backward; FULL_SHARD frees and gathers them again. <!-- fact: torch.fsdp2_reshard_after_forward -->
-#   Notebook 08 shows the cost in batch size. At rest SHARD_GRAD_OP keeps its weights
+#   Notebook 08 compares their batch sizes and peaks. At rest SHARD_GRAD_OP keeps its weights
 #   sharded, where ZeRO-2 keeps them whole: <!-- fact: deepspeed.zero2_whole_params --> the "~" in
 #   SHARD_GRAD_OP ~ ZeRO-2 is the gradients and optimizer states they both shard.
 #

@@ -42,7 +42,7 @@
 # few cores; <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2's are synchronous: the training
 # thread waits for each. <!-- fact: torch.fsdp2_gathers_synchronous -->
 # Here FSDP's prefetch *reorders* the collectives and ZeRO-3's bucket *merges* them; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
-# the traces show both exactly. Other unit choices, computing and communicating at once here, and
+# the traces show both. Other unit choices, computing and communicating at once here, and
 # `--compile`: the deep dive `14_prefetch_details`.
 
 # %%
@@ -131,7 +131,7 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # `stage3_max_reuse_distance` (printed below) decides that; `stage3_max_live_parameters` only caps
 # the prefetch. <!-- fact: deepspeed.zero3_release_not_by_max_live -->
 #
-# None of this changes the numbers: all four runs train identically.
+# None of this changes the losses: all four runs train identically.
 
 # %%
 losses = {k: r.summary["losses"] for k, r in pf.items()}
@@ -176,7 +176,7 @@ claim("with forward prefetch, block 1's gather starts before block 0's forward i
 # gradients are reduce-scattered once per unit that holds parameters. Prefetch changes *when*,
 # not *how many*. <!-- fact: torch.fsdp2_collective_counts -->
 # `helpers.job.wrap.expected_collectives` writes that down; the table is what the traces counted
-# (rank 0, one step; MB = unsharded bytes moved, bf16 for gathers).
+# (rank 0, one step; MB = the gathered (unsharded) tensor's size, bf16 for gathers).
 
 # %%
 tab = traces.collective_table(list(pf.values()), labels=list(pf))
@@ -249,12 +249,12 @@ for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 
 # %%
 ran(f"model {MODEL}, {NPROC} ranks, {'GPU (nccl)' if GPUS else 'CPU (gloo)'}", pf.values(), model=MODEL,
     world_size=NPROC, dist_backend="nccl" if GPUS else "gloo")
-claim(f"prefetch changes when FSDP gathers, not how many: its {len(units_tf)} transformer-policy units predict every "
-      f"gather (count and bytes) and the reduce-scatter count ({want['all_gathers']} and {want['reduce_scatters']} per "
-      "profiled step), with or without prefetch; with it, block 1's gather starts before block 0's forward is done",
+claim(f"prefetch changes when FSDP gathers, not how many: its {len(units_tf)} transformer-policy units predict the "
+      f"gathers (count and total bytes) and the reduce-scatter count ({want['all_gathers']} and {want['reduce_scatters']} in "
+      "the profiled step counted), with or without prefetch; with it, block 1's gather starts before block 0's forward is done",
       fsdp_exact and ag1 < done1 and ag0 > done0)  # fact: torch.fsdp2_forward_prefetch_order
 n_zero = int(tab.loc["ZeRO-3 no prefetch", "all_gathers"])
-claim(f"ZeRO-3's bucket merges its per-module gathers into one: {n_zero} per profiled step without prefetch, "
+claim(f"ZeRO-3's bucket merges its per-module gathers into one: {n_zero} in the step counted without prefetch, "
       f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, at once)",
       n_zero == 2 * n_tensors and tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1 and bucket > n_params
       and abs(big["ZeRO-3 prefetch"] - model_mb) < 1e-3)

@@ -59,7 +59,7 @@ facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FS
 # %% [markdown]
 # ## A local "pretrained" checkpoint
 #
-# Nothing can be downloaded here, so we make one: the preset with seeded random weights,
+# Nothing can be downloaded here, so we make one (once; later runs reuse it): the preset with seeded random weights,
 # saved in fp32 with `save_pretrained`. `--model DIR` accepts any such directory, a real
 # checkpoint included (not run here).
 

@@ -75,7 +75,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # ## The relay: FSDP → DeepSpeed → FSDP
 #
 # `python -m helpers.convert SRC DST --to deepspeed|fsdp` reads any format (FSDP sharded or
-# full, DeepSpeed ZeRO stage 0 to 3, any world size: `tests/test_resume_anywhere.py`,
+# full, DeepSpeed ZeRO stage 0 to 3, another world size: `tests/test_resume_anywhere.py`,
 # `tests/test_convert_layouts.py`) into one consolidated fp32 layout (per parameter: the fp32
 # weight, Adam's `exp_avg`, `exp_avg_sq` and step) and writes it for the other side:
 #
@@ -236,7 +236,7 @@ def near(kind, want, tol):
     return abs(per_param[kind] - want) / want < tol
 
 
-claim("a resumable checkpoint is about 12 bytes per parameter on both backends (within 10%), its optimizer state "
+claim("a resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3 (within 10%), its optimizer state "
       "all fp32; DeepSpeed's ZeRO-3 model files hold no weights (no dtype in the table's `model`)",
       near("FSDP FULL", 12, 0.10) and near("FSDP SHARDED (DCP)", 12, 0.10) and near("DeepSpeed ZeRO-3", 12, 0.10)
       and table.loc["DeepSpeed ZeRO-3", "dtypes"] == {"model": [], "optim": ["float32"]}
@@ -257,8 +257,8 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
       bytes_per_param=per_param["DeepSpeed 16-bit weights"], ratio=round(smaller, 2))
 
 # %% [markdown]
-# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter on
-# both backends: fp32 master weights (4) plus Adam's two fp32 moments (8) (under
+# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter under
+# FSDP and ZeRO-3: fp32 master weights (4) plus Adam's two fp32 moments (8) (under
 # ZeRO-1/2 rank 0 also saves the bf16 module; not run here). DeepSpeed's ZeRO-3 optimizer files
 # hold the fp32 partitions and moments, its model files no weights (the table's empty `model`). <!-- fact: deepspeed.zero3_checkpoint_contents --> The
 # 16-bit file is about 6x smaller but holds weights only: good for inference or a fresh

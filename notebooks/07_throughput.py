@@ -153,9 +153,9 @@ pd.concat([pair, SEEDS]).round(3)
 # %%
 peaks = [r.summary["peak_flops"] for r in PAIR_RUNS]
 print("peak per rank, as each job measured it:", [throughput.fmt_flops(p) for p in peaks],
-      f"(the largest {max(peaks) / min(peaks) - 1:.0%} above the smallest) -", fsdp.summary["peak_flops_source"])
+      f"(the largest {max(peaks) / min(peaks) - 1:.1%} above the smallest) -", fsdp.summary["peak_flops_source"])
 claim("every MFU is below 1 against a peak in the dtype the job's forward computes in"
-      + ("" if GPUS else ", measured by rank 0 alone: a 512x512 matmul on one thread, four different values"),
+      + ("" if GPUS else ", measured by rank 0 alone: a 512x512 matmul on one thread, once per job"),
       all(0 < r.summary["mfu"] < 1 and (f"dense {r.summary['dtypes']['forward_weight']}" if GPUS else
                                          f"measured: 512x512 {r.summary['dtypes']['forward_weight']} matmul, "
                                          "1 thread(s), rank 0 alone") in r.summary["peak_flops_source"]
@@ -196,8 +196,8 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
       f"{apart[0]:,.0f}x tiny's ({'each ratio' if not GPUS else 'FLOPs per token'} over 1,000x)", min(apart) > 1000)
 
 # %% [markdown]
-# **What it means.** Here the two backends train identically. Whether one was faster is the
-# verdict above (its rule is checked with it); the write-up's two figures differ by 2%.
+# **What it means.** Here the two backends give identical losses. Whether one was faster, in these
+# runs on this machine, is the verdict above (its rule is checked with it); the write-up's two figures differ by 2%.
 # Each job measures its peak again, and the four can differ (by how much here: printed above), so MFU can move with the
 # measured peak as well as with tokens/s (our reading): compare the backends by tokens/s. "tokens/s/device" here
 # is per rank; on this machine the ranks share one CPU (checked above). The last check sets our absolute numbers beside the write-up's.

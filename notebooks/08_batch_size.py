@@ -26,8 +26,8 @@
 # one budget; then jobs of two steps under `--memory-budget-gib` find this run's answer. On a GPU
 # the budget is the allocator's limit <!-- fact: torch.cuda_memory_fraction_oom -->; on this
 # CPU the job counts the peak of its own tensors (`peak_tensor_bytes`, from the profiler's
-# allocator events <!-- fact: torch.profiler_cpu_memory_events -->) and stops after step 1 if it
-# passed the budget.
+# allocator events <!-- fact: torch.profiler_cpu_memory_events -->) and ends with an `error:` line
+# after step 1 if it passed the budget.
 #
 # **What we look at.** The max-batch table next to the write-up's rows; why ZeRO-3 fits no
 # more than FULL_SHARD; what offload and DeepSpeed's bucket do. Activation
@@ -71,7 +71,7 @@ print(f"size={SIZE} (the same jobs at both sizes): model {MODEL}, seq {SEQ}, bud
 # `reduce_bucket_size` set to `BUCKET` elements (why: the bucket section). The write-up's ZeRO-3 +
 # CPU offload row is FULL_SHARD with `fsdp_offload_params` (`full_shard_offload.yaml`): on a GPU
 # its states leave the device <!-- fact: accelerate.fsdp2_offload_params_policy --> <!-- fact: torch.fsdp2_cpu_offload_all -->;
-# this machine has one RAM, so here it shows what offload cannot do. First, the estimator's
+# this machine has one RAM, so here offload's states still count against the budget. First, the estimator's
 # state at rest per method (for ZeRO-3 it misses part of its small parameters: measured below):
 
 # %%

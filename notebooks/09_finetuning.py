@@ -194,7 +194,7 @@ claim(f"ZeRO-3 holds {extra_B / 2**20:.3f} MiB more than the estimator counts: e
 # all-gather's buffers and their concatenated copy are alive together.
 #
 # Identical jobs can measure different CPU peaks (not run twice here; `18_fit_details` shows it). A job more than 10% off
-# is run once more, and the smaller of its two peaks counts (`tests/test_estimate.py` does the same at 2%). The next
+# is trained again (two steps, no saves), and the smaller of its two peaks counts (`tests/test_estimate.py` does the same at 2%). The next
 # cells print both columns (`peak_again_MiB` stays empty when no job was that far off).
 
 # %%

@@ -57,7 +57,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # part the runs when left at their defaults (clipping, when the gradient norm passes the limit:
 # shown on the tiny Llama in section 2; ZeRO-3's linear on a model whose biased layers take 3-D inputs: shown
 # on Qwen2), the third one family (section 5); the others are
-# conditions parity needs:
+# conditions parity needs, and the last one it does not survive:
 #
 # * **Clipping.** DeepSpeed clips at 1.0 when `gradient_clipping` is absent; <!-- fact: deepspeed.gradient_clipping_default --> FSDP clips only
 #   when the script does. <!-- fact: accelerate.clipping_is_the_scripts --> `zero3.json` says `0.0` (shown next).
@@ -302,7 +302,7 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 
 # %% [markdown]
 # Close, but not bit for bit, although nothing is clipped. Our reading: the two backends add the
-# same numbers in a different order and precision (the facts below; the runs do not trace the sums): FSDP2 sums the micro-batch gradients on each
+# same numbers in a different order and precision (from the libraries' code; the runs do not trace the sums): FSDP2 sums the micro-batch gradients on each
 # rank (in bf16) and reduces once, <!-- fact: torch.fsdp2_no_sync_accumulates_unreduced --> while ZeRO-3, run as here, reduces every micro-batch
 # (its `no_sync()` refuses ZeRO-3; `coalesce_grad_reduction()`, unused here, would defer it) <!-- fact: deepspeed.zero3_no_sync_refused -->
 # and adds the reduced shards in its gradient buffer, <!-- fact: deepspeed.zero3_adds_reduced_grads -->

@@ -338,8 +338,8 @@ if NVME_OK:
 #
 # Step time of each run against the same backend without offload (how the cell computes it: the
 # median of the steps after the warm-up steps the jobs' own medians leave out, and their
-# quartiles). Each config ran once (the launch cells above), so a ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
-# and claims no cost (notebook 07 interleaves repeated runs where it claims one).
+# quartiles). Each config ran once (here, or in notebook 03 when its matching run is copied), so a ratio here mixes what the offload path costs with the machine's drift between two runs: this section shows the ratios
+# and claims no cost (notebook 07 interleaves repeated runs where it claims a difference).
 
 # %%
 TIMES = {label: timing(label, step_times(r), "no offload", step_times(BASE[label]))

@@ -19,7 +19,7 @@
 # **The question.** Notebook 04 showed when each backend's gathers move with prefetch on and off.
 # Here: which modules become FSDP units, and what does each choice do to the gathers (DeepSpeed
 # asks for no units)? How much of the time a rank both computes and communicates on gloo is only
-# waiting in a collective? And what does `--compile` do under each backend? (A deep dive from notebook 04; the
+# inside a collective call? And what does `--compile` do under each backend? (A deep dive from notebook 04; the
 # core path goes on with 05.)
 #
 # **What we run.** Notebook 04's four prefetch settings again and three other FSDP unit choices,
@@ -199,31 +199,33 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # %% [markdown]
 # ## 2 · Computing and communicating at the same time
 #
-# The time a rank was both computing and communicating (`traces.overlap_ms`), and the compute
-# operator it fell in (`traces.overlap_by_op`). On gloo, do not read all of it as overlap: FSDP2
-# reduces gradients from the backward of an autograd node, `RegisterPostBackwardFunction`, <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->
+# The time a rank was both computing and communicating (`traces.overlap_ms`). On gloo, do not
+# read all of it as overlap: FSDP2 reduces gradients from the backward of an autograd node,
+# `RegisterPostBackwardFunction`, <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->
 # and ZeRO-3 gathers for backward from another, `PreBackwardFunctionForModule`; <!-- fact: deepspeed.zero3_backward_gather_in_autograd_node -->
-# the compute lane counts such a node for as long as the training thread waits in it, and
-# the cell shows how much of "both at once" is that waiting.
+# the compute lane counts such a node as compute for as long as the training thread is in it.
+# `traces.overlap_in_calls_ms` is the part of "both at once" inside any compute-lane operator
+# in which the training thread itself called a collective (the trace nests the call in it),
+# and the cell splits it off from the rest.
 # (ZeRO-3's gathers are asynchronous, FSDP2's synchronous.) <!-- fact: deepspeed.zero3_async_all_gather -->
 # On a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
 
 # %%
 facts.show("torch.fsdp2_post_backward_in_autograd_node", "deepspeed.zero3_backward_gather_in_autograd_node")
-HOOKS = ("RegisterPostBackwardFunctionBackward", "PreBackwardFunctionForModuleBackward")  # the two nodes' names
-hook_share = {}
+in_calls = {}
 for name, r in pf.items():
-    busy, by_op = traces.busy_ms(r), traces.overlap_by_op(r)
-    hooks = by_op[[any(h in op for h in HOOKS) for op in by_op.index]].sum()
-    if by_op.sum() > 1:
-        hook_share[name] = round(hooks / by_op.sum(), 2)
+    busy, both = traces.busy_ms(r), traces.overlap_ms(r)
+    inside = None if GPUS else traces.overlap_in_calls_ms(r)  # CPU traces only (a GPU's compute lane is kernels)
+    if both > 1 and inside is not None:
+        in_calls[name] = round(inside / both, 3)
     print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
-          f"{by_op.sum():7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it in the backward nodes "
-          f"above {hooks:6.1f} ms")
-waiting = bool(hook_share) and all(v > 0.25 for v in hook_share.values())
-claim("wherever rank 0 both computed and communicated for over 1 ms, a good part of that time (over a quarter) "
-      "fell inside an autograd node that waits on the collective", waiting,
-      share_in_those_nodes=hook_share)
+          f"{both:7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it inside an operator that "
+          f"called a collective: {'-' if inside is None else f'{inside:.1f} ms'}")
+waiting = GPUS or (bool(in_calls) and all(v > 0.9 for v in in_calls.values()))
+if not GPUS:
+    claim("wherever rank 0 both computed and communicated for over 1 ms, over 90% of that time fell inside an "
+          "operator in which the training thread itself called a collective, not in compute beside a transfer",
+          waiting, share_inside=in_calls)
 
 # %% [markdown]
 # ## 3 · `--compile`
@@ -309,8 +311,9 @@ print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all
 claim("each FSDP unit choice's collectives are exactly what its units predict: smaller units mean more, smaller "
       "gathers; without policy units the root gathers every block at once; not resharding after forward saves the "
       "backward gathers", exact and smaller and root_all and no_reshard)
-claim("on gloo, wherever rank 0 both computed and communicated for over 1 ms, over a quarter of that time was inside "
-      "an autograd node that waits on the collective: that part is not overlap", waiting)
+if not GPUS:
+    claim("on gloo, wherever rank 0 both computed and communicated for over 1 ms, over 90% of that time was inside an "
+          "operator in which the training thread called a collective: that part is not overlap", waiting)
 if SIZE == "full":
     claim("compiled, both backends train and stay close; the first step carries the compile time, and only ZeRO-3's "
           "hooks hit dynamo's recompile limit", alike and learn and slow_first and only_zero)

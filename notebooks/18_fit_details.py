@@ -23,8 +23,9 @@
 # on with 09.)
 #
 # **What we run.** The same walk as notebook 08 (the `tiny` model, sequence 64, two steps a job
-# under `--memory-budget-gib`) for NO_SHARD, FULL_SHARD and DeepSpeed ZeRO-3 with a small
-# bucket, each without and with activation checkpointing; then four timing runs of FULL_SHARD
+# under `--memory-budget-gib`), run again here, for NO_SHARD, FULL_SHARD and DeepSpeed ZeRO-3 with a small
+# bucket, each without and with activation checkpointing (a job whose peak sits at the budget can land on
+# either side of it, so an answer here can differ from 08's by one); then four timing runs of FULL_SHARD
 # without and with it. On this CPU a job's peak is `peak_tensor_bytes`, from the profiler's
 # allocator events over steps 0-1 <!-- fact: torch.profiler_cpu_memory_events -->.
 

@@ -104,7 +104,7 @@ if nb.bitwise_parity_expected(N):
 # **What it means.** At step 0 the adapter's B matrix is zero (PEFT's default start; step 0 is bit for bit above), so what the adapter adds to the
 # gradient of its input is exactly zero, and adding zero in any order changes nothing. From step 1
 # it is not zero. `q_proj`, `k_proj` and `v_proj` read the same input, so autograd adds up several
-# bf16 gradients for it. ZeRO-3 passes every module's inputs through an autograd function of its
+# bf16 gradients for it. ZeRO-3 passes every module's inputs (a ZeRO-3 leaf's excepted) through an autograd function of its
 # own <!-- fact: deepspeed.zero3_module_io_autograd_functions -->. Our reading (the order of the
 # sums is not traced here): that groups `q_proj`'s two
 # gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units,

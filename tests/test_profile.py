@@ -228,3 +228,25 @@ def test_phases_count_the_hosts_annotations_only(tmp_path):
     ph = traces.phases(run)
     assert list(ph.phase) == ["forward"] and ph.start_ms.tolist() == [0.01] and ph.end_ms.tolist() == [0.06]
     assert traces.annotation_start(run, "guide::forward") == 0.01
+
+
+def test_overlap_in_calls_counts_only_operators_that_called_a_collective(tmp_path):
+    """A CPU (gloo) trace: two top-level operators on the training thread overlap a gloo transfer for 10 us each;
+    only the one with a c10d:: call nested in it counts as inside a call. A GPU trace is refused, naming it."""
+    import json
+
+    def x(name, tid, ts, dur, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur}
+
+    events = [x("ProfilerStep#2", 1, 0, 1000, "user_annotation"),
+              {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "pt_gloo_runloop"}},
+              x("autograd::engine::evaluate_function: AddBackward0", 1, 100, 50),
+              x("c10d::_allgather_base_", 1, 110, 5),
+              x("aten::mm", 1, 300, 50),
+              x("gloo:all_gather", 9, 140, 20), x("gloo:all_gather", 9, 340, 20)]
+    (tmp_path / "trace_rank0.json").write_text(json.dumps({"traceEvents": events}))
+    assert traces.overlap_ms(tmp_path) == pytest.approx(0.02)  # 10 us in each operator
+    assert traces.overlap_in_calls_ms(tmp_path) == pytest.approx(0.01)  # the AddBackward0 node only
+    (tmp_path / "trace_rank0.json").write_text(json.dumps({"traceEvents": events + [x("ampere_gemm", 2, 5, 1, "kernel")]}))
+    with pytest.raises(ValueError, match="a GPU trace; overlap_in_calls_ms reads CPU"):
+        traces.overlap_in_calls_ms(tmp_path)

@@ -271,3 +271,24 @@ def overlap_by_op(run, rank: int = 0) -> pd.Series:
                 break
             out[name] = out.get(name, 0.0) + max(0.0, min(e, ce) - max(s, cs))
     return pd.Series(out, dtype=float).sort_values(ascending=False)
+
+
+def overlap_in_calls_ms(run, rank: int = 0) -> float:
+    """The part of ``overlap_ms`` that fell inside a compute-lane operator during which the training thread itself
+    called a collective (a ``c10d::*`` call nested in it: an autograd hook's gather or reduce-scatter). On gloo that
+    is the thread inside a hook that hands work to gloo and waits for it, not compute running beside a transfer.
+    CPU traces only: on a GPU the compute lane is kernels, which call nothing."""
+    tr = raw_trace(run, rank)
+    if any(e.get("cat") == "kernel" for e in tr["traceEvents"]):
+        raise ValueError(f"{_run_path(run)}: a GPU trace; overlap_in_calls_ms reads CPU (gloo) traces only")
+    t0, main = _origin(run), _main_tid(tr)
+    calls = sorted((e["ts"] - t0) / 1e3 for e in tr["traceEvents"]
+                   if e.get("ph") == "X" and e["tid"] == main and e["name"].startswith("c10d::"))
+    ev = events(run)
+    ev = ev[ev["rank"] == rank]
+    comm = list(zip(ev[ev.lane == "comm"].start_ms, ev[ev.lane == "comm"].end_ms, strict=True))
+    total = 0.0
+    for s, e in zip(ev[ev.lane == "compute"].start_ms, ev[ev.lane == "compute"].end_ms, strict=True):
+        if any(s <= c <= e for c in calls):
+            total += sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in comm)
+    return total

@@ -286,7 +286,7 @@ recap
 # * More in the deep dive `11_sharding_details`: 1, 2 and 4 ranks, the ZeRO-1/2 overhang counted,
 #   ZeRO-0, the whole process, and a config key by key.
 #
-# Next: `02_precision` — why FSDP stalled without that fp32 copy.
+# Next: `02_precision` — what FSDP does without that fp32 copy.
 
 # %% [markdown]
 # ## Optional: other settings, and a memory estimate for your model

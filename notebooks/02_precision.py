@@ -361,7 +361,7 @@ else:
 
 # %% [markdown]
 # Which settings bit-identical losses take, which defaults break them, how to find where two runs
-# part, and twenty model families: the deep dive `12_parity`.
+# part, and twenty family configs: the deep dive `12_parity`.
 #
 # Next: `03_offload`.
 #

@@ -124,7 +124,7 @@ axes[0].figure.tight_layout()
 #   next to the compute, and those copies stay on the device. <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.zero3_persistent_small_params -->
 #
 # Here the location checks below read each backend's bookkeeping: they catch a config key that did not take
-# effect, not bytes crossing a bus; the last one holds each place's bytes to the ZeRO model. (The printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
+# effect, not bytes crossing a bus; the last one holds each place's bytes to the ZeRO model. (The last printed fact's evidence comes from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
 
 # %%
 import json

@@ -233,8 +233,8 @@ claim("FSDP's largest single gather is one unit, prefetch or not, and that unit 
 # **Step time.** Medians and quartiles of each job's two profiled steps: one run each, a rough
 # look that calls no verdict (notebook 07 says why). On
 # gloo FSDP2 waits for each gather, so by design its prefetch reorders them and cannot hide them
-# behind compute <!-- fact: torch.fsdp2_gathers_synchronous -->; a difference between two single runs
-# is not evidence against that (notebook 07 shows runs drift).
+# behind compute <!-- fact: torch.fsdp2_gathers_synchronous -->. A difference between two single runs
+# does not say why (not checked here: runs drift, notebook 07, and the FSDP pair also differs in backward prefetch).
 
 # %%
 timed = {k: r.metrics.step.iloc[WARMUP_STEPS:].tolist() for k, r in pf.items()}  # the steps step_times keeps

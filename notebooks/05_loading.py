@@ -148,7 +148,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 #   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they
 #   peak far below naive. Rank 0 builds the whole state dict in its own memory, in the load
 #   dtype (bf16 here), to broadcast it, <!-- fact: torch.broadcast_from_rank0_per_tensor --> on top of its own fp32 shard, so its
-#   peak stays well above the others'. The saving is on the other `world_size - 1` ranks,
+#   peak stays well above the others'. Most of the saving is on the other `world_size - 1` ranks,
 #   which never build the whole state dict (by design: the peaks alone cannot show it).
 # * **ZeRO-3 init**: each module's parameters are partitioned once the module is created, <!-- fact: deepspeed.zero_init_partitions_on_creation -->
 #   and filled module by module; only rank 0 reads the file <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (`peak_file_MiB`: rank 0's is

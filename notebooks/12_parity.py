@@ -432,7 +432,7 @@ claim(f"in the sweep's llama ZeRO-3's rank 0 holds {1 + 1 / NPROC:.2f} whole cop
 # bf16 before the unit runs <!-- fact: torch.fsdp2_casts_unit_inputs -->, so (our reading of the two facts) its layers rotate
 # queries and keys with bf16 cos/sin under FSDP and fp32 ones under DeepSpeed. The trace's first
 # differing module is `o_proj`, right after the attention (the attention is a function, not a
-# module). Neither side is wrong; they differ, and `switch` says where (the rule it applied is
+# module). Neither side is wrong (our reading); they differ, and `switch` says where (the rule it applied is
 # a diagnosis: the two facts printed above are the mechanism). Under DeepSpeed's default
 # linear, Qwen2 parts at step 1 <!-- fact: deepspeed.zero3_linear_adds_bias_after -->: the weights
 # are still identical, the first module output that differs is a biased `Linear`, its bias added in

@@ -23,7 +23,7 @@
 # on with 09.)
 #
 # **What we run.** The same walk as notebook 08 (the `tiny` model, sequence 64, two steps a job
-# under `--memory-budget-gib`), run again here (a job 08 ran with the same flags is copied), for NO_SHARD, FULL_SHARD and DeepSpeed ZeRO-3 with a small
+# under `--memory-budget-gib`), run again here (a job 08 completed with the same flags is copied), for NO_SHARD, FULL_SHARD and DeepSpeed ZeRO-3 with a small
 # bucket, each without and with activation checkpointing (a job whose peak sits at the budget can land on
 # either side of it, so an answer here can differ from 08's by one); then four timing runs of FULL_SHARD
 # without and with it. On this CPU a job's peak is `peak_tensor_bytes`, from the profiler's
@@ -385,7 +385,7 @@ claim("nine rows in ten or more are within 10% on their worst rank, and the medi
 
 # %% [markdown]
 # DeepSpeed's ZeRO-1/2/3 rows carry its default gradient bucket (`reduce_bucket_size`, 5e8
-# elements: about 1 GB in bf16, whatever the model) <!-- fact: deepspeed.zero3_bucket_allocated_whole -->,
+# elements: about 1 GB in bf16, whatever the model) <!-- fact: deepspeed.zero_bucket_defaults --> <!-- fact: deepspeed.zero3_bucket_allocated_whole -->,
 # which the estimator counts as the configs set it (none sets it: 5e8). Their
 # error then says less about how well it counts the rest of their bytes, so here are those rows
 # scored without the bucket, `(predicted - measured) / (measured - bucket)`, next to the other

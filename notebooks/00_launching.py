@@ -19,7 +19,7 @@
 # **The question.** You have a training job under PyTorch FSDP and want to move it to
 # DeepSpeed ZeRO (or back). Before anything else: can the two backends train *the same
 # model on the same data* and produce *the same losses*? If they can, a difference you
-# see later in memory or checkpoints belongs to the backend, not to the training; a speed
+# see later in memory or checkpoints, with the same settings, belongs to the backend, not to the training; a speed
 # difference, only once repeated step times show it above this machine's noise (notebook 07).
 #
 # **What we run.** Two real distributed jobs, launched with `torchrun` from `%%bash` cells:
@@ -130,8 +130,9 @@ claim("each run directory holds config.json, log.txt, metrics.jsonl and summary.
       all(f == ["config.json", "log.txt", "metrics.jsonl", "summary.json"] for f in files.values()), **files)
 launch_only = {"compute_environment", "num_machines", "num_processes"}
 shipped = sorted(Path("launch_configs").glob("*/*.yaml"))
-claim("both jobs noted the same three launch-only keys, and every shipped YAML has them",
-      all(set(r.config["unapplied"]) == launch_only for r in (fsdp, ds))
+claim("both jobs noted (in their log.txt) the same three launch-only keys, and every shipped YAML has them",
+      all(set(r.config["unapplied"]) == launch_only
+          and all(f"note: {k} = " in (r.path / "log.txt").read_text() for k in launch_only) for r in (fsdp, ds))
       and all(launch_only <= set(yaml.safe_load(f.read_text())) for f in shipped),
       noted=sorted(fsdp.config["unapplied"]), yamls=len(shipped))
 empty = [c for c in ("updated_fraction", "updated_fraction_compute") if all(r.metrics[c].isna().all() for r in (fsdp, ds))]

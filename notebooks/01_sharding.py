@@ -231,7 +231,7 @@ claim("at rest SHARD_GRAD_OP keeps its fp32 weights sharded (half each), ZeRO-2 
       == 2 * P and max(part.values()) < 0.6, params_bytes={k: r0[k]["params"] for k in twin}, num_params=P, **part)
 
 # %% [markdown]
-# ## What it buys: the largest micro-batch in a memory budget
+# ## What it buys: the largest micro-batch in a memory budget (estimated)
 #
 # Hugging Face's write-up on DeepSpeed in Accelerate reports DDP fitting batch 8 and ZeRO-2 batch
 # 40 on 24 GB cards (its tables: notebook 08). For our model, simply: per rank, the

@@ -18,7 +18,7 @@
 #
 # **The question.** In Hugging Face's write-up on aligning the two backends in Accelerate, Mistral-7B,
 # loaded in bf16, trained on 4 GPUs at one learning rate: DeepSpeed's loss fell, FSDP's hardly
-# moved. A higher rate made FSDP train, but the cause was the optimizer's dtype. FSDP, given a
+# moved. A higher rate made FSDP train, but the write-up traced the cause to the optimizer's dtype. FSDP, given a
 # bf16 model and no mixed precision, runs the *optimizer* in bf16, <!-- fact: torch.fsdp2_bf16_model_bf16_optimizer -->
 # while DeepSpeed with bf16 keeps fp32 master weights. <!-- fact: deepspeed.bf16_master_weights_option -->
 # In bf16 a small update to a weight rounds back to the same weight. <!-- fact: torch.bf16_small_update_rounds_away -->
@@ -143,8 +143,8 @@ claim(f"fix 1 runs low precision at the rate times the {NPROC} ranks; fix 2 runs
       and all(abs(lr_of[r.name] / lr_of[low.name] - 10) < 1e-9 for r in (low_hi, mixed_hi)), lr=lr_of)
 
 # %% [markdown]
-# **What each fix does.** A larger rate makes more updates survive bf16 rounding, so more weights
-# change per step (printed below) and the low-precision run moves. <!-- fact: torch.bf16_small_update_rounds_away -->
+# **What each fix does.** With a larger rate more weights change per step (printed below) and the
+# low-precision run moves; our reading: more updates survive bf16 rounding. <!-- fact: torch.bf16_small_update_rounds_away -->
 # Nothing ties the factor to the number of ranks (an argument, not a run): bf16's rounding step depends on the weights, not
 # on the world size. Either fix is a different training run, and the cause stays: a schedule that
 # decays the rate would meet it again (not run here). The fix that keeps the rate is the aligned
@@ -269,7 +269,7 @@ if nb.bitwise_parity_expected(NPROC):  # as the losses above
 
 # %%
 plots.run_memory_bars([low, mixed, ds], NAMES)
-per_param = {}  # bytes per parameter, all ranks together: measured, and the ZeRO model's prediction
+per_param = {}  # bytes per parameter, all ranks together (rank 0's measured bytes x N), and the ZeRO model's prediction
 for n, r in RUNS.items():
     measured, theory = r.summary["memory_bytes"][0], r.summary["memory_theory_bytes"]
     per_param[n] = {c: (measured[c] * NPROC / r.summary["num_params"], theory[c] * NPROC / r.summary["num_params"])

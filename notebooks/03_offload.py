@@ -107,8 +107,8 @@ axes[0].figure.tight_layout()
 # %% [markdown]
 # **What it shows.**
 #
-# * **FSDP offload moves everything together**: the parameter shards, their gradients and
-#   Adam's states all go to the host, and the optimizer steps there. <!-- fact: torch.fsdp2_cpu_offload_all --> No key offloads one
+# * **FSDP offload puts everything on the host together**: the parameter shards, their gradients and
+#   Adam's states all belong on the host, and the optimizer steps there (on this CPU no byte moves). <!-- fact: torch.fsdp2_cpu_offload_all --> No key offloads one
 #   kind of state alone (Accelerate has one switch for the whole model; torch's `fully_shard`
 #   takes it per module). <!-- fact: torch.fsdp2_offload_policy_per_module --> <!-- fact: accelerate.fsdp_offload_one_switch -->
 # * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,
@@ -117,7 +117,7 @@ axes[0].figure.tight_layout()
 #   the gradient partition on the host for its host-side step, alive between steps, so after
 #   backward the "grads" bar is one fp32 copy taller (without offload ZeRO-3 makes that copy
 #   during the step and frees it after): <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads -->
-#   offload moves bytes *and* keeps more of them alive.
+#   offload places bytes on the host *and* keeps more of them alive.
 # * **Params + optimizer** moves every bf16 parameter partition to the host too. The
 #   "persistent" small parameters (at most `stage3_param_persistence_threshold` elements each;
 #   in this tiny model every decoder-layer weight and the final norm) also keep a whole copy

@@ -41,7 +41,7 @@
 # DeepSpeed's asynchronous all-gathers can proceed while the training thread computes, on the same
 # few cores; <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2's are synchronous: the training
 # thread waits for each. <!-- fact: torch.fsdp2_gathers_synchronous -->
-# Here FSDP's prefetch *reorders* the collectives and ZeRO-3's bucket *merges* them; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
+# Here FSDP's prefetch *moves a gather ahead of compute* and ZeRO-3's bucket *merges* gathers; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
 # the traces show both. Other unit choices, computing and communicating at once here, and
 # `--compile`: the deep dive `14_prefetch_details`.
 

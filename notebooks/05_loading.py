@@ -148,7 +148,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 #   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they
 #   peak far below naive. Rank 0 builds the whole state dict in its own memory, in the load
 #   dtype (bf16 here), to broadcast it, <!-- fact: torch.broadcast_from_rank0_per_tensor --> on top of its own fp32 shard, so its
-#   peak stays well above the others'. Most of the saving is on the other `world_size - 1` ranks,
+#   peak stays well above the others'. The saving is on the other `world_size - 1` ranks (one here),
 #   which never build the whole state dict (by design: the peaks alone cannot show it).
 # * **ZeRO-3 init**: each module's parameters are partitioned once the module is created, <!-- fact: deepspeed.zero_init_partitions_on_creation -->
 #   and filled module by module; only rank 0 reads the file <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (`peak_file_MiB`: rank 0's is
@@ -202,7 +202,7 @@ for label in ("FSDP RAM-efficient", "ZeRO-3 init"):
 # for every parameter and buffer, and the state dict fills the parameters. <!-- fact: torch.to_empty_uninitialised -->
 # But RoPE's `inv_freq` is a **non-persistent** buffer: it is computed in `__init__` and never
 # saved, so no checkpoint restores it. <!-- fact: transformers.rope_buffers_non_persistent --> After `to_empty()` it holds whatever bytes were there:
-# nothing raises an error (the cell below runs on), and the model would compute its positions from those bytes. `helpers.job.loading.fix_rotary` rebuilds
+# nothing raises an error (the cell below runs on), and the model would compute its positions from those bytes (no forward pass runs here). `helpers.job.loading.fix_rotary` rebuilds
 # such buffers from the config. See it on a tiny model:
 
 # %%

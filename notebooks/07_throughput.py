@@ -191,7 +191,7 @@ achieved = tps * fsdp.summary["flops_per_token"]
 peak = sorted(peaks)[len(peaks) // 2]  # the upper median of the four
 apart = [6 * 7e9 / fsdp.summary["flops_per_token"]] + ([] if GPUS else [312e12 / peak, 0.41 * 312e12 / achieved])
 claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this "
-      f"{'GPU' if GPUS else 'CPU thread'}'s peak (the upper median of our four jobs'); achieved FLOP/s: the write-up's "
+      f"{'GPU' if GPUS else 'CPU thread'}'s {fsdp.summary['dtypes']['forward_weight']} peak (the upper median of our four jobs'); achieved FLOP/s: the write-up's "
       f"{0.41 * 312e12 / achieved:,.0f}x ours; FLOPs per token: Granite 7B's 6 N alone "
       f"{apart[0]:,.0f}x tiny's ({'each ratio' if not GPUS else 'FLOPs per token'} over 1,000x)", min(apart) > 1000)
 
@@ -208,7 +208,7 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
 #   thread's (its source, checked above). <!-- fact: torch.omp_num_threads_sets_intraop --> On a GPU node every rank has its own device.
 # * **gloo collectives on the CPU.** FSDP gathers each layer's weights and reduce-scatters its
 #   gradients; ZeRO-3 does the same in buckets. <!-- fact: torch.fsdp2_collective_counts --> <!-- fact: deepspeed.zero_bucket_defaults -->
-#   With gloo these are memory copies on the same cores that compute (notebook 04 draws them on its timelines). <!-- fact: torch.gloo_worker_threads -->
+#   With gloo they run on gloo's worker threads, on the same cores that compute (notebook 04 draws them on its timelines). <!-- fact: torch.gloo_worker_threads -->
 #   On GPUs, NCCL runs on its own streams and prefetch overlaps the next layer's all-gather with
 #   this layer's compute (not checked here). <!-- fact: torch.gpu_collectives_own_stream -->
 # * **Fixed costs per op.** A small model issues many small ops (Python, op launches, the

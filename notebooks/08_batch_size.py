@@ -67,7 +67,7 @@ print(f"size={SIZE} (the same jobs at both sizes): model {MODEL}, seq {SEQ}, bud
 #
 # FSDP's three sharding strategies stand for the ZeRO stages they match (notebook 01 shows the
 # bytes): NO_SHARD = ZeRO-0 (DDP), SHARD_GRAD_OP ~ ZeRO-2, FULL_SHARD = ZeRO-3. <!-- fact: torch.fsdp_sharding_strategies -->
-# DeepSpeed's ZeRO-3 runs from the shipped `zero3.json` with one key changed,
+# DeepSpeed's ZeRO-3 runs from the shipped `zero3.json` with one key added,
 # `reduce_bucket_size` set to `BUCKET` elements (why: the bucket section). The write-up's ZeRO-3 +
 # CPU offload row is FULL_SHARD with `fsdp_offload_params` (`full_shard_offload.yaml`): on a GPU
 # its states leave the device <!-- fact: accelerate.fsdp2_offload_params_policy --> <!-- fact: torch.fsdp2_cpu_offload_all -->;
@@ -263,7 +263,7 @@ claim("beside the state and the activations, the estimator counts more working b
       predicted={"zero3": PREDICTED[DS], "full_shard": PREDICTED[FS]})
 
 # %% [markdown]
-# Beside the state the two hold different things. FSDP makes its gradients again
+# Beside the state the two hold different things (by design; the table above does not break it down). FSDP makes its gradients again
 # as backward runs (the last step freed them) <!-- fact: torch.zero_grad_set_to_none --> and
 # holds the unit it computes plus the next. ZeRO-3 keeps its gradient partition
 # <!-- fact: deepspeed.zero3_grad_partition_kept -->, its bucket and, across ranks, the

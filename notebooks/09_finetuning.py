@@ -319,7 +319,7 @@ claim("under FSDP2 the plain save (imitated: PEFT's state dict to safetensors) f
 # (For FSDP the table's `tensors` and `numel` describe rank 0's state dict in memory: no file was
 # written.)
 #
-# **What it means.** A plain save is only safe when every adapter parameter sits whole on rank 0.
+# **What it means.** Of these three, the plain save was right only where every adapter parameter sat whole on rank 0.
 # Accelerate fills `auto` with 10 × the hidden size
 # <!-- fact: accelerate.ds_auto_persistence_threshold -->. The cell below does that arithmetic for
 # this notebook's adapter on a model of Llama-2-7B's widths (hidden 4,096, MLP 11,008). Gather

@@ -126,7 +126,7 @@ if "zero2" in sweep_modes:  # the model at 2 ranks: (2 + 2/2 + 12/2) / 16 = 9/16
 # A parameter that straddles a slice edge
 # belongs to each rank it touches, and (with the default bf16 gradient buffer) each keeps that
 # parameter's *whole* gradient until the step. <!-- fact: deepspeed.zero12_straddler_whole_grad --> So a rank holds its 1/N of the gradients plus the rest of the (at most two)
-# parameters that straddle its slice's edges (so the overhang weighs more when parameters are few
+# parameters that straddle its slice's edges (our reading: so the overhang weighs more when parameters are few
 # and large). ZeRO-1 holds the same at this point: it reduces the gradients into partitions at the
 # accumulation boundary, just before the step (notebook 01). The
 # cell below walks the parameters in order, finds those edges, and checks each rank's bytes

@@ -461,9 +461,9 @@ claim("compare names where two runs part: the stalling pair's bf16 update, the i
       stalling_pair=(t.step, t.stage, t.dtype_a, t.dtype_b), implicit_clip=(c.step, c.stage))
 
 # %% [markdown]
-# * Parity takes explicit choices: the same reductions and starting weights, and none of the
+# * Parity takes explicit choices (the pair's configs, section 1): none of the
 #   parity-breaking DeepSpeed defaults left implicit; even then gradient accumulation (next bullet)
-#   and one FSDP default (last bullet) part runs. Clipping at 1.0 when `gradient_clipping` is absent (once the norm passes 1), and ZeRO-3's own
+#   and one FSDP default (last bullet) part runs. Clipping at 1.0 when `gradient_clipping` is absent (it acts once the norm passes 1, as at step 0 here), and ZeRO-3's own
 #   linear for biased `Linear` layers on batch x sequence inputs (run here on Qwen2 only), <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
 # * Gradient accumulation agrees closely but not bitwise: the backends reduce and accumulate in a
 #   different order (our reading of the fact). <!-- fact: deepspeed.zero3_adds_reduced_grads -->

@@ -221,7 +221,7 @@ for name, r in pf.items():
     print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
           f"{both:7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it inside an operator that "
           f"called a collective: {'-' if inside is None else f'{inside:.1f} ms'}")
-waiting = GPUS or (bool(in_calls) and all(v > 0.9 for v in in_calls.values()))
+waiting = (bool(in_calls) and all(v > 0.9 for v in in_calls.values()))
 if not GPUS:
     claim("wherever rank 0 both computed and communicated for over 1 ms, over 90% of that time fell inside an "
           "operator in which the training thread itself called a collective, not in compute beside a transfer",

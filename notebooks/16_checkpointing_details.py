@@ -167,6 +167,11 @@ else:
     claim(f"on 1 rank, the three routes' losses over steps {2 * K}..{3 * K - 1} are within 1e-2 of each other (GPU)",
           routes and spread < 1e-2, max_difference=spread)
 two = fsdp_losses[2 * K:3 * K]  # the 2-rank FSDP job of section 1 trained these steps before its killed save
+first = [r.summary["losses"][0] for r in one.values()]
+claim(f"each 1-rank job started from the saved weights: its step-{2 * K} loss is within 0.25 of the 2-rank job's, "
+      "over 1 below that job's step 0 (a fresh model's)",
+      all(abs(x - two[0]) < 0.25 and fsdp_losses[0] - x > 1 for x in first),
+      one_rank_first=[round(x, 4) for x in first], two_ranks=round(two[0], 4), step_0=round(fsdp_losses[0], 4))
 claim("they continue differently from the 2-rank job (a smaller global batch): every step's loss differs",
       len(two) == K and all(abs(a - b) > 1e-6 for a, b in zip(one["dcp"].summary["losses"], two, strict=True))
       and one["dcp"].summary["tokens_per_step"] < failed["tokens_per_step"],

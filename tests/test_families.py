@@ -66,7 +66,7 @@ def test_zero3_default_linear_is_the_qwen2_cause():
     """ZeRO-3's default (memory_efficient_linear) linear adds the bias in a second bf16 rounding.
 
     With the shipped JSONs it is off, and the sweep above holds Qwen2 (q/k/v biases) identical; the
-    precision notebook runs Qwen2 under the default and shows it parting at step 1 (biases start at 0).
+    parity deep dive (notebook 12) runs Qwen2 under the default and shows it parting at step 1 (biases start at 0).
     """
     import os
 

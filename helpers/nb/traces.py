@@ -258,18 +258,26 @@ def overlap_ms(run, rank: int = 0) -> float:
     return float(overlap_by_op(run, rank).sum())
 
 
-def overlap_by_op(run, rank: int = 0) -> pd.Series:
-    """``overlap_ms`` split by the compute lane's operator that overlapped (ms, largest first). An autograd
-    node that calls a collective and waits in it (a backward hook) counts here: on gloo that is waiting."""
+def _op_overlaps(run, rank: int):
+    """Per compute-lane operator of ``rank``: (name, start ms, end ms, ms it overlapped the comm lane)."""
     ev = events(run)
     ev = ev[ev["rank"] == rank]
     comm = sorted(zip(ev[ev.lane == "comm"].start_ms, ev[ev.lane == "comm"].end_ms, strict=True))
-    out: dict[str, float] = {}
     for name, s, e in zip(*(ev[ev.lane == "compute"][k] for k in ("name", "start_ms", "end_ms")), strict=True):
+        both = 0.0
         for cs, ce in comm:
             if cs >= e:
                 break
-            out[name] = out.get(name, 0.0) + max(0.0, min(e, ce) - max(s, cs))
+            both += max(0.0, min(e, ce) - max(s, cs))
+        yield name, s, e, both
+
+
+def overlap_by_op(run, rank: int = 0) -> pd.Series:
+    """``overlap_ms`` split by the compute lane's operator that overlapped (ms, largest first). An autograd
+    node that calls a collective and waits in it (a backward hook) counts here: on gloo that is waiting."""
+    out: dict[str, float] = {}
+    for name, _, _, both in _op_overlaps(run, rank):
+        out[name] = out.get(name, 0.0) + both
     return pd.Series(out, dtype=float).sort_values(ascending=False)
 
 
@@ -284,11 +292,4 @@ def overlap_in_calls_ms(run, rank: int = 0) -> float:
     t0, main = _origin(run), _main_tid(tr)
     calls = sorted((e["ts"] - t0) / 1e3 for e in tr["traceEvents"]
                    if e.get("ph") == "X" and e["tid"] == main and e["name"].startswith("c10d::"))
-    ev = events(run)
-    ev = ev[ev["rank"] == rank]
-    comm = list(zip(ev[ev.lane == "comm"].start_ms, ev[ev.lane == "comm"].end_ms, strict=True))
-    total = 0.0
-    for s, e in zip(ev[ev.lane == "compute"].start_ms, ev[ev.lane == "compute"].end_ms, strict=True):
-        if any(s <= c <= e for c in calls):
-            total += sum(max(0.0, min(e, ce) - max(s, cs)) for cs, ce in comm)
-    return total
+    return sum(both for _, s, e, both in _op_overlaps(run, rank) if any(s <= c <= e for c in calls))

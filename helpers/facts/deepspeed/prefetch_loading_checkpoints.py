@@ -228,7 +228,7 @@ def _files(d: Path) -> list[str]:
 
 @fact("deepspeed.zero3_checkpoint_files",
       "Under ZeRO-3, engine.save_checkpoint writes two files per rank (model states and optimizer states) and "
-      "copies zero_to_fp32.py next to them.",
+      "copies zero_to_fp32.py into the checkpoint folder, beside the tag folder that holds them.",
       "deepspeed", V, "runtime/engine.py: DeepSpeedEngine.save_checkpoint, _save_checkpoint, "
       "_save_zero_checkpoint, _copy_recovery_script", runs=True)
 def _ckpt_files():

@@ -107,8 +107,8 @@ axes[0].figure.tight_layout()
 # %% [markdown]
 # **What it shows.**
 #
-# * **FSDP offload puts everything on the host together**: the parameter shards, their gradients and
-#   Adam's states all belong on the host, and the optimizer steps there (on this CPU no byte moves). <!-- fact: torch.fsdp2_cpu_offload_all --> No key offloads one
+# * **FSDP offload puts everything on the host**: parameter shards, gradients and
+#   Adam's states, and the optimizer steps there (on this CPU no byte moves). <!-- fact: torch.fsdp2_cpu_offload_all --> No key offloads one
 #   kind of state alone (Accelerate has one switch for the whole model; torch's `fully_shard`
 #   takes it per module). <!-- fact: torch.fsdp2_offload_policy_per_module --> <!-- fact: accelerate.fsdp_offload_one_switch -->
 # * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,

@@ -293,8 +293,8 @@ for kind, r in table.iterrows():
 # * A checkpoint that resumes exactly holds the model, the optimizer (moments *and* step), the
 #   RNG and the data position (`tests/test_checkpoint.py` and `tests/test_resume_anywhere.py`
 #   resume from each kind).
-# * FSDP and DeepSpeed keep the same kinds of fp32 state (weights, Adam's moments) in different layouts; <!-- fact: deepspeed.zero3_checkpoint_contents -->
-#   converting through one consolidated layout, with the DeepSpeed import done inside the
+# * FSDP and DeepSpeed keep the same fp32 state kinds, laid out differently; <!-- fact: deepspeed.zero3_checkpoint_contents -->
+#   converting through one consolidated layout, imported inside the
 #   resuming job, continued training bit-identically in both directions (on this CPU).
 # * A resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
 #   file, about 6x smaller, holds weights only.

@@ -263,7 +263,7 @@ claim("beside the state and the activations, the estimator counts more working b
       predicted={"zero3": PREDICTED[DS], "full_shard": PREDICTED[FS]})
 
 # %% [markdown]
-# Beside the state the two hold different things (by design; the table above does not break it down). FSDP makes its gradients again
+# Beside the state they hold different things (by design; not measured). FSDP makes its gradients again
 # as backward runs (the last step freed them) <!-- fact: torch.zero_grad_set_to_none --> and
 # holds the unit it computes plus the next. ZeRO-3 keeps its gradient partition
 # <!-- fact: deepspeed.zero3_grad_partition_kept -->, its bucket and, across ranks, the

@@ -108,7 +108,7 @@ axes[0].figure.tight_layout()
 # **What it shows.**
 #
 # * **FSDP offload puts everything on the host**: parameter shards, gradients and
-#   Adam's states, and the optimizer steps there (on this CPU no byte moves). <!-- fact: torch.fsdp2_cpu_offload_all --> No key offloads one
+#   Adam's states, and the optimizer steps there (on this CPU no byte moves). <!-- fact: torch.fsdp2_cpu_offload_all --> <!-- fact: torch.cpu_offload_on_cpu_is_noop --> No key offloads one
 #   kind of state alone (Accelerate has one switch for the whole model; torch's `fully_shard`
 #   takes it per module). <!-- fact: torch.fsdp2_offload_policy_per_module --> <!-- fact: accelerate.fsdp_offload_one_switch -->
 # * **DeepSpeed can offload the optimizer alone**: with `offload_optimizer` the fp32 master,
@@ -117,7 +117,7 @@ axes[0].figure.tight_layout()
 #   the gradient partition on the host for its host-side step, alive between steps, so after
 #   backward the "grads" bar is one fp32 copy taller (without offload ZeRO-3 makes that copy
 #   during the step and frees it after): <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads -->
-#   offload places bytes on the host *and* keeps more of them alive.
+#   this offload places bytes on the host *and* keeps more alive.
 # * **Params + optimizer** moves every bf16 parameter partition to the host too. The
 #   "persistent" small parameters (at most `stage3_param_persistence_threshold` elements each;
 #   in this tiny model every decoder-layer weight and the final norm) also keep a whole copy

@@ -213,7 +213,7 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
 #   this layer's compute (not checked here). <!-- fact: torch.gpu_collectives_own_stream -->
 # * **Fixed costs per op.** A small model issues many small ops (Python, op launches, the
 #   optimizer's per-parameter loop) that do no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops -->
-#   On a GPU, `torch.compile` fuses ops, and CUDA graphs (its modes `"reduce-overhead"` and
+#   On a GPU (not checked here), `torch.compile` fuses ops, and CUDA graphs (its modes `"reduce-overhead"` and
 #   `"max-autotune"`, not the default) cut launches. <!-- fact: torch.compile_default_no_cudagraphs -->
 #
 # ## Recap

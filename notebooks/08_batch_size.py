@@ -67,7 +67,7 @@ print(f"size={SIZE} (the same jobs at both sizes): model {MODEL}, seq {SEQ}, bud
 #
 # FSDP's three sharding strategies stand for the ZeRO stages they match (notebook 01 shows the
 # bytes): NO_SHARD = ZeRO-0 (DDP), SHARD_GRAD_OP ~ ZeRO-2, FULL_SHARD = ZeRO-3. <!-- fact: torch.fsdp_sharding_strategies -->
-# DeepSpeed's ZeRO-3 runs from the shipped `zero3.json` with one key added,
+# ZeRO-3 runs from the shipped `zero3.json` with one key added,
 # `reduce_bucket_size` set to `BUCKET` elements (why: the bucket section). The write-up's ZeRO-3 +
 # CPU offload row is FULL_SHARD with `fsdp_offload_params` (`full_shard_offload.yaml`): on a GPU
 # its states leave the device <!-- fact: accelerate.fsdp2_offload_params_policy --> <!-- fact: torch.fsdp2_cpu_offload_all -->;
@@ -279,7 +279,7 @@ claim("beside the state and the activations, the estimator counts more working b
 # <!-- fact: torch.cpu_offload_on_cpu_is_noop -->.
 #
 # The shipped ZeRO-1/2/3 configs keep DeepSpeed's
-# default `reduce_bucket_size` (5e8 elements): one gradient bucket per rank, allocated whole
+# default `reduce_bucket_size` (5e8 elements); ZeRO-3 allocates that bucket whole per rank,
 # whatever the model's size. <!-- fact: deepspeed.zero_bucket_defaults --> <!-- fact: deepspeed.zero3_bucket_allocated_whole -->
 
 # %% language="bash"

@@ -186,7 +186,7 @@ claim("they continue differently from the 2-rank job (a smaller global batch): e
 #
 # Three files hold weights only. A ZeRO-3 checkpoint carries `zero_to_fp32.py`, which writes
 # the fp32 weights; <!-- fact: deepspeed.zero3_checkpoint_files --> `zero3_save_16bit_model: true` (Accelerate's name for DeepSpeed's `stage3_gather_16bit_weights_on_model_save`)
-# adds the weights in bf16; <!-- fact: deepspeed.save_16bit_model_weights_only --> and
+# makes the guide's save call `save_16bit_model` too, which adds the weights in bf16 (`save_checkpoint` alone never writes them); <!-- fact: deepspeed.save_16bit_model_weights_only --> <!-- fact: deepspeed.save_checkpoint_no_16bit --> and
 # `helpers.convert --to hf` writes `config.json` + `model.safetensors`, for `from_pretrained`. <!-- fact: transformers.save_pretrained_files -->
 # All three come from DeepSpeed's step-`2K` checkpoint, next to the guide's own reading of it.
 # Which tool to use when: [docs/checkpoints.md](../docs/checkpoints.md).

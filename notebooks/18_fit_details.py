@@ -190,7 +190,7 @@ if not GPUS:
 
 # %% [markdown]
 # Why: the runs measured what autograd keeps per sequence (`activation_bytes_per_sample`, counted exactly:
-# the bytes of every tensor saved for backward, counted once), at each row's first batch:
+# the bytes of the tensors autograd saves for backward, parameters left out, each counted once), at each row's first batch:
 
 # %%
 acts = {}
@@ -258,9 +258,9 @@ _ = ax.set(ylabel="step time, s", title=f"FULL_SHARD, micro-batch {TIME_BATCH}: 
 # %% [markdown]
 # In FLOPs the recompute is one extra forward of the blocks (a forward is 2 of the 6 FLOPs per
 # parameter and token, notebook 07: up to a third more compute per step). What it costs in
-# time is the verdict above: a step also spends time the recompute does not add to (the
-# optimizer, the collectives), and we have not broken it down. Measure it on your GPU with more
-# steps.
+# time is the verdict above, which can exceed that third: on a CPU recompute also adds small ops and
+# the wrapper's own work, while the optimizer and the collectives add nothing (our reading; we have
+# not broken it down). Measure it on your GPU with more steps.
 #
 # ## Predicted against measured peak
 #
@@ -321,7 +321,7 @@ claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks
 # * **single ops' temporaries** (a matmul's output before it is saved), which add a little on
 #   top of the moments it models (the start of backward, FSDP's end of backward, the optimizer
 #   step; our reading);
-# * **which rank frees a collective's buffer first**: ranks that hold the same state can peak
+# * **which rank frees a buffer first** (our reading): ranks that hold the same state can peak
 #   apart (checked on the stored grid below); the estimator gives them one value;
 # * **gloo's and nccl's own buffers** (communication libraries allocate outside torch's tensors;
 #   not checked here) <!-- fact: torch.nccl_buffers_outside_allocator -->;

@@ -17,7 +17,7 @@
 # # 19 · Deep dive: where a LoRA pair parts
 #
 # **The question.** In notebook 09 the aligned pair (FSDP `full_shard`, DeepSpeed `zero3`) trained
-# a LoRA on `o_proj` and `down_proj` bit for bit. Put the adapter on `q_proj` and `v_proj`
+# a LoRA on `o_proj` and `down_proj` bit for bit on this CPU. Put the adapter on `q_proj` and `v_proj`
 # instead: where does the pair part, and why there? (A deep dive from notebook 09, the last of
 # the core path.)
 #
@@ -108,7 +108,7 @@ if nb.bitwise_parity_expected(N):
 # own <!-- fact: deepspeed.zero3_module_io_autograd_functions -->. Our reading (the order of the
 # sums is not traced here): that groups `q_proj`'s two
 # gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units,
-# adds all of them in one buffer (also our reading). In bf16, a sum taken in another order rounds differently. That sum
+# adds all of them in one buffer (also our reading). In bf16, a sum taken in another order can round differently. That sum
 # is the gradient flowing into the layers below, which (our reading) is why the last layer's adapters still agree
 # and every layer under it parts. An adapter whose input no other module reads, such as `o_proj` or
 # `down_proj`, gets just two gradients there (base and adapter), and a sum of two is the same in

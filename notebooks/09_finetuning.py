@@ -124,7 +124,7 @@ ax.legend(loc="upper right", ncol=2);
 # **What it means.** A frozen parameter keeps only its weight: no gradient, no Adam moments,
 # no fp32 master. FSDP shards that weight like any other (each rank holds 1/N of it), and so does
 # ZeRO-3, which also keeps whole copies of the small parameters next to their 1/N (below).
-# ZeRO-2 keeps it whole on every rank, in bf16: its flat buffers hold only what the optimizer
+# ZeRO-2 keeps it whole on every rank, in bf16: by design its flat buffers hold only what the optimizer
 # steps, so a frozen parameter stays a plain module parameter (ZeRO-1 too, not run here:
 # `tests/test_lora.py`). FSDP keeps the frozen weight in bf16: the job applies
 # Accelerate's rule, which upcasts only trainable parameters

@@ -59,7 +59,7 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks ({'GPU' if GPUS else 'CPU on
 # ranks. In the `small` model the decoder-layer matrices are over the threshold, so only their
 # partitions are kept, <!-- fact: deepspeed.zero3_persistent_small_params --> and on 2 to 7 ranks the partitions of the embedding and the output
 # layer, and only theirs, are large enough to be swapped; on 8 or more, none is (on one rank, some
-# decoder-layer matrices too). Large enough, but not left on disk: ZeRO-3 swaps them out as it
+# decoder-layer matrices too). Large enough, but not left on disk (by design; `small` is not run here): ZeRO-3 swaps them out as it
 # builds the model, then reads them back into a host buffer for good, because `offload_param.max_in_cpu` (1e9 elements by default; our config
 # leaves it) lets every partition of a model this size live in host memory. <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu --> To keep parameters
 # on NVMe, set it below the partitions' total (not run here). The two limits, and both models' sizes next to them
@@ -378,7 +378,7 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # ## Recap
 #
 # * NVMe swaps only tensors of at least 1 MiB per rank (or `aio.block_size`), and with `max_in_cpu`
-#   at its default brings parameter partitions back to host memory. <!-- fact: deepspeed.nvme_min_aio_bytes --> <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu -->
+#   at its default brings parameter partitions back to host memory (by design; no parameter is swapped here). <!-- fact: deepspeed.nvme_min_aio_bytes --> <!-- fact: deepspeed.nvme_params_read_back_max_in_cpu -->
 # * In the tiny model's NVMe run the fp32 master and Adam's states are swap files (rank 0's three,
 #   each its fp32 partition rounded up to the I/O alignment); the parameter partitions and the fp32
 #   gradient copy stay in host memory. <!-- fact: deepspeed.nvme_swaps_states_not_step --> <!-- fact: deepspeed.nvme_small_grads_wait_in_host -->

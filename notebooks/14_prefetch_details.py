@@ -159,8 +159,8 @@ fig.tight_layout()
 # %% [markdown]
 # **Reading it.** Smaller units mean more, smaller all-gathers; without policy units the root
 # gathers every decoder block at once (`largest_all_gather_MB`) and, during forward and
-# backward, every rank holds all of them. <!-- fact: torch.fsdp2_root_takes_the_rest --> Not resharding
-# after forward saves the backward gathers and keeps the blocks gathered in between. <!-- fact: torch.fsdp2_reshard_after_forward --> We claim nothing from the allocator's peak between unit choices (one job each, and
+# backward, every rank holds all of them (by design: not measured). <!-- fact: torch.fsdp2_root_takes_the_rest --> Not resharding
+# after forward saves the backward gathers and (by design) keeps the blocks gathered in between. <!-- fact: torch.fsdp2_reshard_after_forward --> We claim nothing from the allocator's peak between unit choices (one job each, and
 # identical jobs' peaks differ: `18_fit_details`). The counts and sizes are exactly what the units predict:
 
 # %%
@@ -236,7 +236,7 @@ if not GPUS:
 # DeepSpeed it calls the engine's `compile()`, which compiles the wrapped module. <!-- fact: deepspeed.engine_compile_module -->
 # ZeRO-3 keeps two per-module hooks out of dynamo (the pre-forward gather and the post-backward
 # release); its other hooks, the backward gather's setup among them, are traced: <!-- fact: deepspeed.zero3_hooks_and_dynamo -->
-# they change from call to call, so dynamo recompiles until its recompile limit (the fact
+# they change from call to call (our reading of the warnings), so dynamo recompiles until its recompile limit (the fact
 # printed below) and then leaves them eager, <!-- fact: torch.dynamo_recompile_limit --> with a warning the cells count.
 #
 # Why FSDP1 needed `fsdp_use_orig_params: true` for this: FSDP1 flattened a unit's parameters

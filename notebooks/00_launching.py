@@ -70,7 +70,7 @@ print(Path("launch_configs/fsdp/full_shard.yaml").read_text())
 # %% [markdown]
 # The DeepSpeed YAML points at a JSON file. That is where we set what a pair needs to train
 # identically (notebook 12 runs pairs without it and shows where they part; the linear setting
-# matters for layers with biases, which this tiny Llama has none of): **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
+# matters for layers with biases, which this tiny Llama, by its config, has none of): **`gradient_clipping: 0.0`** (DeepSpeed clips at 1.0 when
 # you say nothing, and Accelerate drops a `0.0` written in the YAML), bf16 on, and <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: accelerate.yaml_clip_zero_dropped -->
 # **`memory_efficient_linear: false`** (ZeRO-3 otherwise swaps torch's linear for its own,
 # which rounds layers with biases differently on batch x sequence inputs, e.g. Qwen2's: notebook 12). <!-- fact: deepspeed.zero3_swaps_linear --> <!-- fact: deepspeed.zero3_linear_rounds_bias --> <!-- fact: transformers.qwen2_qkv_bias -->
@@ -155,7 +155,8 @@ results.summary_table([fsdp, ds])
 
 # %%
 fig, (left, right) = plots.plt.subplots(1, 2)
-plots.loss_curves([fsdp, ds], ax=left, title="loss per step (the lines overlap)")
+plots.loss_curves([fsdp, ds], ax=left, title="loss per step"
+                  + (" (the lines overlap)" if nb.bitwise_parity_expected(NPROC) else ""))
 plots.loss_difference(fsdp, ds, ax=right)
 fig.tight_layout()
 
@@ -197,7 +198,7 @@ claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above st
 # ## When the config is wrong
 #
 # A typo is refused before the job starts (no run directory, nothing else printed), with one line naming the file, the key and
-# what was meant. (Under `torchrun` the launcher then adds its own failure report.) <!-- fact: torch.torchrun_failure_report -->
+# what was meant. (Under `torchrun` the launcher then adds its own failure report; not run here.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%
 Path("notebooks/runs").mkdir(parents=True, exist_ok=True)

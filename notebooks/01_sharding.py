@@ -165,8 +165,8 @@ claim("ZeRO-1/2 gradients: each rank holds its 1/N slice plus exactly the rest o
 # total, split differently:
 #
 # * **FSDP** (aligned mixed precision, as Accelerate sets it up) upcasts the model to
-#   fp32 and shards *that*. The fp32 shard is what the optimizer updates, so there is no
-#   separate master copy; the bf16 weights exist only while a unit is gathered. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_reshard_after_forward -->
+#   fp32 and shards *that*. By design the fp32 shard is what the optimizer updates, so there is no
+#   separate master copy; bf16 weights exist only while a unit is gathered. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_reshard_after_forward -->
 # * **DeepSpeed** keeps the model in bf16 and shards the bf16 weights and gradients, and
 #   keeps a separate **fp32 master** partition for the optimizer. <!-- fact: deepspeed.zero3_bf16_dtypes -->
 
@@ -203,7 +203,7 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
 #
 # The mapping's "=" (NO_SHARD = ZeRO-0, FULL_SHARD = ZeRO-3) is about what is sharded, not about
 # the arithmetic. At 2 ranks on this CPU, over these 2-step runs, NO_SHARD, ZeRO-1, ZeRO-2 and
-# ZeRO-3 train exactly as FULL_SHARD; ZeRO-0 does not (more in `11_sharding_details`).
+# ZeRO-3 train exactly as FULL_SHARD; ZeRO-0 does not (see `11_sharding_details`).
 # On a GPU the check allows those four 1e-2 (`nb.bitwise_parity_expected`).
 
 # %%

@@ -61,7 +61,7 @@ SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches
 facts.show("torch.fsdp2_gathers_synchronous", "deepspeed.zero3_async_all_gather")  # who waits for a gather on gloo
 GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
-MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
+MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # on a CPU, tiny keeps the profiled jobs short
 BATCH = "--micro-batch 4 --seq-len 32" if SIZE == "quick" else "--micro-batch 8 --seq-len 64"
 STEPS = 4
 ARGS = f"--model {MODEL} --steps {STEPS} {BATCH} --profile"  # --profile records steps 2 and 3
@@ -131,7 +131,7 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # `stage3_max_reuse_distance` (printed below) decides that; `stage3_max_live_parameters` only caps
 # the prefetch. <!-- fact: deepspeed.zero3_release_not_by_max_live -->
 #
-# None of this changes the losses: all four runs train identically.
+# None of this changes the losses: on this CPU all four runs train identically (a GPU check allows 1e-2).
 
 # %%
 losses = {k: r.summary["losses"] for k, r in pf.items()}
@@ -139,8 +139,11 @@ facts.show("deepspeed.zero3_bucket_gathers_once", "deepspeed.zero3_release_not_b
 print("stage3_max_reuse_distance in zero3_prefetch.json:",
       pf["ZeRO-3 prefetch"].config["deepspeed"]["json"]["zero_optimization"].get("stage3_max_reuse_distance",
                                                                                   "unset (DeepSpeed's default 1e9)"))
-claim("all four runs train identically (prefetch moves bytes earlier, not values)",
-      len({tuple(v) for v in losses.values()}) == 1, losses=[round(x, 4) for x in losses["FSDP prefetch"]])
+spread = max(max(s) - min(s) for s in zip(*losses.values(), strict=True))
+if nb.bitwise_parity_expected(NPROC):
+    claim("all four runs train identically", spread == 0, losses=[round(x, 4) for x in losses["FSDP prefetch"]])
+else:
+    claim("all four runs' losses are within 1e-2 of each other at every step (GPU)", spread < 1e-2, largest_gap=spread)
 
 # %% [markdown]
 # ### What FSDP's prefetch reorders
@@ -258,7 +261,8 @@ claim(f"ZeRO-3's bucket merges its per-module gathers into one: {n_zero} in the 
       f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, at once)",
       n_zero == 2 * n_tensors and tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1 and bucket > n_params
       and abs(big["ZeRO-3 prefetch"] - model_mb) < 1e-3)
-claim("all four settings train identically", len({tuple(v) for v in losses.values()}) == 1)
+claim("all four settings train identically" if nb.bitwise_parity_expected(NPROC) else
+      "all four settings train alike (within 1e-2)", spread == 0 or (spread < 1e-2 and not nb.bitwise_parity_expected(NPROC)))
 
 # %% [markdown]
 # More in the deep dive `14_prefetch_details`: other unit choices, computing and communicating at

@@ -267,12 +267,12 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
 # FSDP and ZeRO-3: fp32 master weights (4) plus Adam's two fp32 moments (8) (under
 # ZeRO-1/2 rank 0 also saves the bf16 module; not run here). DeepSpeed's ZeRO-3 optimizer files
 # hold the fp32 partitions and moments, its model files no weights (the table's empty `model`). <!-- fact: deepspeed.zero3_checkpoint_contents --> The
-# 16-bit file is about 6x smaller but holds weights only: good for inference or a fresh
-# fine-tune, not for an exact resume. <!-- fact: deepspeed.save_16bit_model_weights_only -->
-# FULL and SHARDED hold about the same bytes; the difference is *who writes them*: FULL gathers
+# 16-bit file is about 6x smaller but holds weights only: it suits inference or a fresh
+# fine-tune (not run here), not an exact resume. <!-- fact: deepspeed.save_16bit_model_weights_only -->
+# FULL and SHARDED hold about the same bytes; by design the difference is *who writes them*: FULL gathers
 # everything into rank 0's memory and one file, <!-- fact: torch.full_state_dict_rank0 --> SHARDED
-# lets every rank write its own part <!-- fact: torch.dcp_file_per_rank --> (the table's save
-# times are one save each: not a comparison).
+# lets every rank write its own part <!-- fact: torch.dcp_file_per_rank --> (the save
+# times: one save each, not a comparison).
 #
 # ## Recap
 #

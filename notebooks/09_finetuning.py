@@ -237,7 +237,7 @@ in_flight = measured["zero3"] - measured["zero2"] + (z2 - z3)
 claim("ZeRO-3 peaks above ZeRO-2: the gap plus the frozen weights ZeRO-2 holds beyond ZeRO-3 is over one bf16 copy "
       "of the model", measured["zero3"] > measured["zero2"] and in_flight > model_MiB,
       zero3_MiB=measured["zero3"], zero2_MiB=measured["zero2"], in_flight_MiB=in_flight, model_bf16_MiB=model_MiB)
-if SIZE == "full":  # the quick size runs `tiny`, whose small parameters, kept whole, outweigh the half partitioned
+if SIZE == "full":  # checked at full size only (the quick size runs `tiny`: not checked there)
     claim("though ZeRO-3 holds half as much of the frozen base as ZeRO-2 (within 1%)", abs(z3 / z2 - 0.5) <= 0.005,
           ratio=z3 / z2)
 
@@ -319,7 +319,7 @@ claim("under FSDP2 the plain save (imitated: PEFT's state dict to safetensors) f
 # (For FSDP the table's `tensors` and `numel` describe rank 0's state dict in memory: no file was
 # written.)
 #
-# **What it means.** Of these three, the plain save was right only where every adapter parameter sat whole on rank 0.
+# **What it means.** Of these cases (FSDP2; ZeRO-3 at threshold 0; ZeRO-2 and ZeRO-3 at the default), the plain save was right only where every adapter parameter sat whole on rank 0.
 # Accelerate fills `auto` with 10 × the hidden size
 # <!-- fact: accelerate.ds_auto_persistence_threshold -->. The cell below does that arithmetic for
 # this notebook's adapter on a model of Llama-2-7B's widths (hidden 4,096, MLP 11,008). Gather

@@ -50,7 +50,7 @@ from helpers.nb.claims import claim, ran, reused
 SIZE = nb.setup()  # "quick" under `make test`: the same cells, smaller batches, no compile section
 GPUS = nb.gpu_count()
 NPROC = GPUS if GPUS else 2
-MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # profiled small-model steps take minutes on a CPU
+MODEL = "small" if GPUS and SIZE == "full" else "tiny"  # on a CPU, tiny keeps the profiled jobs short
 BATCH = "--micro-batch 4 --seq-len 32" if SIZE == "quick" else "--micro-batch 8 --seq-len 64"
 STEPS = 4
 ARGS = f"--model {MODEL} --steps {STEPS} {BATCH} --profile"  # --profile records steps 2 and 3

@@ -227,7 +227,7 @@ elif not GPUS:
 # divides by a whole core's peak, while four ranks shared two cores. How much of the per-rank ratio above is that sharing is not measured here (our reading:
 # it depends on how long a rank waits in collectives, leaving the core to the other); the ratios
 # above come from one short job each, so no speed conclusion is drawn from them. On a GPU node
-# every rank has its own device.
+# every rank has its own device (not run here).
 #
 # ## Recap
 #

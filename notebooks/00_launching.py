@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 00 · Launching a job: one model, two backends, the same numbers
+# # 00 · Launching a job: one model, two backends, the same losses
 #
 # **The question.** You have a training job under PyTorch FSDP and want to move it to
 # DeepSpeed ZeRO (or back). Before anything else: can the two backends train *the same
@@ -97,7 +97,7 @@ print(Path("launch_configs/deepspeed/zero3.json").read_text())
 #
 # `torchrun` starts `NPROC` copies of `helpers.train`; each learns its `RANK` and
 # `WORLD_SIZE` from the environment. <!-- fact: torch.torchrun_sets_rank_env --> `--standalone` picks a free local port, so two
-# notebooks can launch at once. <!-- fact: torch.standalone_free_port --> With no GPU visible the job uses gloo on the CPU (and
+# notebooks can launch at once (not run here). <!-- fact: torch.standalone_free_port --> With no GPU visible the job uses gloo on the CPU (and
 # tells DeepSpeed `DS_ACCELERATOR=cpu`, in `helpers.set_ds_accelerator`: the code, not checked here <!-- fact: deepspeed.ds_accelerator_env -->); with GPUs it uses nccl on CUDA, and nothing in the
 # command changes (not run here).
 

@@ -272,16 +272,16 @@ if 4 in WORLDS:
     hy = {r.summary["mode_key"]: r.config for r in runs if r.summary["world_size"] == 4}
     group = [hy["hybrid_shard"]["fsdp"]["hybrid_shard_size"],
              hy["zero3_hpz"]["deepspeed"]["json"]["zero_optimization"]["zero_hpz_partition_size"]]
-    claim("HYBRID_SHARD and hpZ gather within groups of 2 of the 4 ranks, and hold different bytes (the table)",
+    claim("HYBRID_SHARD and hpZ are set to groups of 2 of the 4 ranks, and hold different bytes (the table)",
           group == [2, 2] and abs(recap.loc["hybrid_shard", 4] / recap.loc["zero3_hpz", 4] - 1) > 0.1,
           group=group, MiB=recap[4].dropna().to_dict())
 recap
 
 # %% [markdown]
 # * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3, <!-- fact: torch.fsdp_sharding_strategies -->
-#   `HYBRID_SHARD` ~ ZeRO++ hpZ (both gather weights within a node, here a group of 2 of the 4
-#   ranks; alike in spirit, not in bytes: the table);
-#   <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard -->
+#   `HYBRID_SHARD` ~ ZeRO++ hpZ (both gather within a group of 2 of the 4
+#   ranks, hpZ only in backward; alike, not in bytes: table);
+#   <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard --> <!-- fact: deepspeed.hpz_secondary_dropped_after_step -->
 #   ZeRO-1 has no FSDP twin. "=" is about what is sharded, not the arithmetic.
 # * More in the deep dive `11_sharding_details`: 1, 2 and 4 ranks, the ZeRO-1/2 overhang counted,
 #   ZeRO-0, the whole process, and a config key by key.

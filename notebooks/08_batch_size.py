@@ -77,7 +77,7 @@ print(f"size={SIZE} (the same jobs at both sizes): model {MODEL}, seq {SEQ}, bud
 # %%
 CFG = RUNS / "08_configs"
 CFG.mkdir(parents=True, exist_ok=True)
-doc = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())  # the shipped JSON, one key changed
+doc = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())  # the shipped JSON, one key added
 doc["zero_optimization"]["reduce_bucket_size"] = BUCKET
 (CFG / "zero3_bucket.json").write_text(json.dumps(doc, indent=2))
 (CFG / "zero3_bucket.yaml").write_text(yaml.safe_dump(
@@ -99,7 +99,7 @@ def estimate(config, micro_batch=1, budget=None):
 
 
 state = {m: sum(estimate(c)["categories_per_rank"][0][k] for k in est.STATE) for m, c in METHODS.items()}
-print(pd.DataFrame({"state at rest, MiB per rank": {k: v / 2**20 for k, v in state.items()},
+print(pd.DataFrame({"device state at rest, MiB per rank (estimated)": {k: v / 2**20 for k, v in state.items()},
                     "share of the budget": {k: v / BUDGET for k, v in state.items()}}).round(2).to_string())
 claim("the states are a real share of this budget: NO_SHARD's params, grads and Adam states fill over half of it, "
       f"FULL_SHARD's 1/{NPROC} of that", state[NS] > BUDGET / 2 and abs(state[FS] / state[NS] - 1 / NPROC) < 0.05,
@@ -238,7 +238,8 @@ zero = json.loads((CFG / "zero3_bucket.json").read_text())["zero_optimization"]
 names = {n: p.numel() for n, p in meta_model(resolve_model(MODEL)).named_parameters()}
 kept = [n for n, k in names.items() if est.is_persistent(k, est.persistence_threshold(zero))]
 small = sum(2 * names[n] for n in kept)  # bf16, whole on every rank
-claim(f"on this {MODEL} model ZeRO-3 keeps every decoder weight whole; it shards only the embedding and the head",
+claim(f"on this {MODEL} model every decoder weight is under ZeRO-3's persistence threshold (kept whole, next to its "
+      "partition); only the embedding and the head are over it (partition only)",
       set(names) - set(kept) == {"model.embed_tokens.weight", "lm_head.weight"}, kept=len(kept), params=len(names))
 dt = {m: RESULT[m][max(LARGEST[m], 1)]["dtypes"] for m in (FS, DS)}
 claim("the runs' params: FSDP's fp32, DeepSpeed's bf16 next to fp32 master params",

@@ -75,7 +75,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # * **FSDP's cast of unit inputs.** FSDP2 casts every unit's floating-point inputs to bf16, and
 #   Accelerate leaves that on; <!-- fact: torch.fsdp2_casts_unit_inputs --> a model that makes a
 #   tensor in fp32 outside its layers and hands it to them can part (OLMo-2's rotary embedding
-#   does, section 5).
+#   does, in our reading: section 5).
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides (bf16 on the wire;
 #   each side then keeps the reduced gradient in its own dtype, notebook 02's table, and `compare`
 #   below reads the fp32 copy the optimizer uses), <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same

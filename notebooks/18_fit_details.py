@@ -78,7 +78,7 @@ CFG.mkdir(parents=True, exist_ok=True)
 doc = yaml.safe_load(Path("launch_configs/fsdp/no_shard.yaml").read_text())
 doc["fsdp_config"]["fsdp_activation_checkpointing"] = True
 (CFG / "no_shard_ac.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-for name in ("zero3", "zero3_ac"):  # the shipped JSON, one key changed; a YAML next to it that points to it
+for name in ("zero3", "zero3_ac"):  # the shipped JSON, one key added; a YAML next to it that points to it
     doc = json.loads(Path(f"launch_configs/deepspeed/{name}.json").read_text())
     doc["zero_optimization"]["reduce_bucket_size"] = BUCKET
     (CFG / f"{name}_bucket.json").write_text(json.dumps(doc, indent=2))
@@ -258,9 +258,9 @@ _ = ax.set(ylabel="step time, s", title=f"FULL_SHARD, micro-batch {TIME_BATCH}: 
 # %% [markdown]
 # In FLOPs the recompute is one extra forward of the blocks (a forward is 2 of the 6 FLOPs per
 # parameter and token, notebook 07: up to a third more compute per step). What it costs in
-# time is the verdict above, which can exceed that third: on a CPU recompute also adds small ops and
-# the wrapper's own work, while the optimizer and the collectives add nothing (our reading; we have
-# not broken it down). Measure it on your GPU with more steps.
+# time is the verdict above. It need not follow that third: on a CPU recompute also adds small ops and
+# the wrapper's own work, while the optimizer and the collectives add nothing to it (our reading; we have
+# not broken it down), and two runs each make a noisy ratio. Measure it on your GPU with more steps.
 #
 # ## Predicted against measured peak
 #
@@ -290,7 +290,8 @@ print(f"median |error| {median:.2f}% over {len(PEAKS)} runs; the same job twice 
       f"{[(round(x / 2**20, 2), round(y / 2**20, 2)) for x, y in pairs]} MiB, {100 * repeat:.2f}% apart at most")
 claim(f"every run here measured its peak on each of its {NPROC} ranks", all(
     len(summary(n)["peak_tensor_bytes"]) == NPROC and min(summary(n)["peak_tensor_bytes"]) > 0 for n in names), runs=len(names))
-# 5% on a CPU, where a row's peak moves between identical jobs (the line above); 10% on a GPU (not yet run on one)
+# 5% on a CPU for the median (a single row can move further between identical jobs: the line above); 10% on a GPU
+# (not yet run on one)
 bound = 10 if GPUS else 5
 claim(f"the median error is within {bound}%", median <= bound, median_pct=median)
 is_ds = PEAKS["run"].str.startswith("zero3_bucket")

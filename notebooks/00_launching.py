@@ -128,16 +128,17 @@ ran(f"both jobs trained the tiny model for {STEPS} steps on {NPROC} ranks ({'ncc
 files = {r.name: sorted(p.name for p in r.path.iterdir()) for r in (fsdp, ds)}
 claim("each run directory holds config.json, log.txt, metrics.jsonl and summary.json, nothing else",
       all(f == ["config.json", "log.txt", "metrics.jsonl", "summary.json"] for f in files.values()), **files)
+logs = {r.name: (r.path / "log.txt").read_text() for r in (fsdp, ds)}
 launch_only = {"compute_environment", "num_machines", "num_processes"}
 shipped = sorted(Path("launch_configs").glob("*/*.yaml"))
 claim("both jobs noted (in their log.txt) the same three launch-only keys, and every shipped YAML has them",
       all(set(r.config["unapplied"]) == launch_only
-          and all(f"note: {k} = " in (r.path / "log.txt").read_text() for k in launch_only) for r in (fsdp, ds))
+          and all(f"note: {k} = " in logs[r.name] for k in launch_only) for r in (fsdp, ds))
       and all(launch_only <= set(yaml.safe_load(f.read_text())) for f in shipped),
       noted=sorted(fsdp.config["unapplied"]), yamls=len(shipped))
 empty = [c for c in ("updated_fraction", "updated_fraction_compute") if all(r.metrics[c].isna().all() for r in (fsdp, ds))]
 claim("the updated_fraction columns stay empty: both logs say the jobs ran without --track-updates (notebook 02 "
-      "uses it)", len(empty) == 2 and all("pass --track-updates" in (r.path / "log.txt").read_text() for r in (fsdp, ds)),
+      "uses it)", len(empty) == 2 and all("pass --track-updates" in log for log in logs.values()),
       empty=empty)
 fsdp.metrics.head()
 

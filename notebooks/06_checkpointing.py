@@ -173,10 +173,10 @@ fig.tight_layout()
 # %%
 after = straight.metrics.step >= K  # the first K steps are the uninterrupted run's own (the relay starts from them)
 gap = float(abs(diff[after.to_numpy()]).max())
+relay_same = relay.loss[after.to_numpy()].tolist() == straight.metrics.loss[after].tolist()
 if nb.bitwise_parity_expected(NPROC):
     claim(f"the relay's loss is bit-identical to the uninterrupted run's at all {2 * K} steps after the first switch",
-          relay.step.tolist() == list(range(3 * K)) and relay.loss[after.to_numpy()].tolist()
-          == straight.metrics.loss[after].tolist(), max_difference=gap)
+          relay.step.tolist() == list(range(3 * K)) and relay_same, max_difference=gap)
 else:
     claim(f"the relay's loss is within 1e-2 of the uninterrupted run's at all {2 * K} steps after the first switch "
           "(nccl)", relay.step.tolist() == list(range(3 * K)) and gap < 1e-2, max_difference=gap)
@@ -281,8 +281,7 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
 # %%
 if nb.bitwise_parity_expected(NPROC):
     claim(f"relay FSDP -> DeepSpeed -> FSDP: losses identical to the uninterrupted run at all {2 * K} steps after the "
-          "first switch", relay.loss[after.to_numpy()].tolist() == straight.metrics.loss[after].tolist(),
-          max_difference=gap, final=straight.summary["final_loss"])
+          "first switch", relay_same, max_difference=gap, final=straight.summary["final_loss"])
 else:
     claim(f"relay FSDP -> DeepSpeed -> FSDP: losses within 1e-2 of the uninterrupted run at all {2 * K} steps after "
           "the first switch (nccl)", gap < 1e-2, final=straight.summary["final_loss"], max_difference=gap)

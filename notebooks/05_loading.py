@@ -80,7 +80,7 @@ facts.show("accelerate.fsdp2_sync_module_states_required_but_ignored")  # the FS
 # %% language="bash"
 # for CFG in fsdp/full_shard fsdp/full_shard_ram_efficient deepspeed/zero3_init; do
 #   torchrun --standalone --nproc_per_node $N -m helpers.train --config launch_configs/$CFG.yaml \
-#     --out notebooks/runs/05_$(basename $CFG) --model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32 \
+#     --out notebooks/runs/05_$(basename $CFG) --model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 8 \
 #     | grep loaded
 # done
 
@@ -264,5 +264,5 @@ from helpers.nb import widgets
 widgets.ControlPanel("05", {"naive": "launch_configs/fsdp/full_shard.yaml",
                             "RAM-efficient": "launch_configs/fsdp/full_shard_ram_efficient.yaml",
                             "ZeRO-3 init": "launch_configs/deepspeed/zero3_init.yaml"},
-                     args="--model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 32", plot=widgets.plot_loading,
+                     args="--model $PRETRAINED --steps 1 --micro-batch 1 --seq-len 8", plot=widgets.plot_loading,
                      ranks=2)

@@ -116,19 +116,26 @@ test-browser: setup
 # launch_configs/ changed since the hash their .ipynb records; all of them with FORCE=1) are rebuilt from
 # the .py and executed, the .py is written back in jupytext's canonical form (bash cells commented, so ruff
 # can read it), and the outputs are tidied (whole lines, no widget state) and stamped with the tree's hash.
-# A fresh notebook only gets the .py's markdown copied over: prose does not run.
+# A fresh notebook only gets the .py's markdown copied over: prose does not run. A notebook that reads the runs
+# of one re-executed before it (10 reads 00's, 11 01's, 13 03's, 14 04's, 18 08's: `--reuse` copies) is re-executed
+# too, so that the copies are the committed ones.
 notebooks: setup
 	@test "$${GUIDE_SIZE:-full}" = full || { echo "error: GUIDE_SIZE=$$GUIDE_SIZE: make notebooks commits" \
 		"full-size outputs; allowed: full (unset it)" >&2; exit 2; }
-	@stale=" $$($(PY) -m helpers.nb.freshness stale | tr '\n' ' ') "; \
+	@stale=" $$($(PY) -m helpers.nb.freshness stale | tr '\n' ' ') "; ran=""; \
 	for f in $(NB_PY); do \
-		case "$(if $(FORCE),$$f,$$stale)" in *"$$f"*) ;; *) \
-			$(PY) -m helpers.nb.freshness prose "$$f" && echo "== $$f: outputs fresh" && continue; exit 1;; esac; \
-		echo "== $$f"; \
+		reads=""; for d in $$ran; do grep -q -E "runs/$${d}_|--reuse $${d}\b" "$$f" && reads="$$reads $$d"; done; \
+		case "$(if $(FORCE),$$f,$$stale)" in *"$$f"*) ;; *) if [ -z "$$reads" ]; then \
+			$(PY) -m helpers.nb.freshness prose "$$f" && echo "== $$f: outputs fresh" && continue; exit 1; fi;; esac; \
+		echo "== $$f$${reads:+ (it reads the runs of$$reads, re-executed above)}"; \
 		$(VENV)/bin/jupytext --to ipynb --set-kernel python3 --execute "$$f" || exit 1; \
 		$(VENV)/bin/jupytext --quiet --to py:percent "$${f%.py}.ipynb"; \
 		$(PY) -m helpers.nb.freshness finish "$${f%.py}.ipynb"; \
-	done
+		ran="$$ran $$(basename $$f | cut -c1-2)"; \
+	done; \
+	for d in $$ran; do for g in $$(grep -l -E "runs/$${d}_|--reuse $${d}\b" notebooks/[0-9][0-9]_*.py); do \
+		case " $(NB_PY) " in *" $$g "*) ;; *) echo "note: $$g reads the runs of $$d, re-executed here: re-execute it" \
+			"too (make notebooks FORCE=1 NB_PY=$$g)";; esac; done; done
 
 # each notebook's words, cells and minutes to read and to run (from its committed outputs), and the totals
 minutes: setup

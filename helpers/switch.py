@@ -15,7 +15,7 @@ any, else on the CPU with gloo), each with ``--trace-activations`` and, where bo
 2. the verdict: identical (losses, gradient norms and every traced tensor, bit for bit), or the first
    differing step and tensor (``helpers.compare``);
 3. when they part, the first module whose output (forward) or output gradient (backward) differs, and the
-   known cause where the guide knows one (``helpers.core.causes``, each with the test that reproduces it).
+   known cause where the guide knows one (``helpers.core.causes``, each with the test that checks it).
 
 ``--shrink`` keeps the architecture of a config.json and scales its sizes down (helpers.core.shrink), so a
 7B config is checked on a laptop. ``--families NAMES|all`` checks the guide's model families instead of one

@@ -100,7 +100,7 @@ def report(out: Path, a: str, b: str, labels: list[str], warnings: list[str], un
         head = f"{label}: " + ("identical" if r["identical"] else "differs")
         print(f"\n{head}\n  " + r["report"].replace("\n", "\n  "))
         for cause in r["causes"]:
-            print(f"  known cause ({cause['key']}): {cause['text']}\n    reproduced by {cause['test']}")
+            print(f"  known cause ({cause['key']}): {cause['text']}\n    tested in {cause['test']}")
         if not r["identical"] and not r["causes"]:
             where = ("the first differing module above" if r["module"] else "the first differing tensor above"
                      if r["tensor"] else "the settings that differ (* rows)")

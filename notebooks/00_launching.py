@@ -193,7 +193,7 @@ else:
 rises = [i for i in range(1, len(losses)) if losses[i] > losses[i - 1] + 0.1]
 b = rises[0] if rises else 1
 claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above step {b - 1}, step {b + 1} is back within "
-      f"0.05 of step {b - 1}", len(rises) == 1 and b + 1 < len(losses) and losses[b + 1] < losses[b - 1] + 0.05, rises=rises, losses=losses[b - 1:b + 2])
+      f"0.05 of step {b - 1}", len(rises) == 1 and b + 1 < len(losses) and abs(losses[b + 1] - losses[b - 1]) < 0.05, rises=rises, losses=losses[b - 1:b + 2])
 
 # %% [markdown]
 # ## When the config is wrong

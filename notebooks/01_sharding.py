@@ -119,7 +119,7 @@ mem.head()
 plots.memory_bars(mem, world_size=2);
 
 # %% [markdown]
-# The check: each category, on each rank, of each run, within 1% of the model (the gaps we know of, our reading:
+# The check: each category, on each rank, of each run, within 1% of the model (the gaps we know of, counted below:
 # Adam's step counters, <!-- fact: torch.adam_state --> and the small weights ZeRO-3 keeps whole
 # on every rank <!-- fact: deepspeed.zero3_persistent_keep_partition -->). ZeRO-1/2's gradients
 # follow another rule: DeepSpeed slices one flat buffer across ranks, and a parameter straddling a
@@ -135,11 +135,25 @@ claim("every (run, rank, category) but ZeRO-1/2's gradients is within 1% of the 
       outside=len(off))
 import torch  # noqa: E402
 
-from helpers.core import models  # noqa: E402
+from helpers.core import footprint, models  # noqa: E402
 
 with torch.device("meta"):  # shapes only, no memory
     sizes = [p.numel() for p in models.build_model(models.resolve_model("small"), torch.bfloat16, seed=0,
                                                    device="meta").parameters()]  # the flat buffer's order
+z3 = next(r for r in runs if r.summary["mode_key"] == "zero3")
+small = sum(n for n in sizes if footprint.is_persistent(
+    n, footprint.persistence_threshold(z3.config["deepspeed"]["json"]["zero_optimization"])))
+gap2 = {(m, c): g for m, c, g in zip(mem["mode"], mem.category, mem.measured - mem.theory)
+        if g and not (m in ("zero1", "zero2") and c == "grads")}
+two = {m for r in runs if r.summary["world_size"] == 2 for m in [r.summary["mode_key"]]}
+expected = {**{(m, "optimizer_states"): 4 * len(sizes) for m in two if m in ("no_shard", "shard_grad_op",
+                                                                               "full_shard", "zero0")},
+            **{(m, "optimizer_states"): 4 for m in two if m in ("zero1", "zero2", "zero3")},
+            ("zero3", "params"): 2 * small}
+claim("at 2 ranks those gaps are exactly the two named: a 4-byte step counter per parameter tensor (FSDP, ZeRO-0) or "
+      "per flat group (ZeRO-1/2/3), and ZeRO-3's whole small weights in bf16",
+      {k: v for k, v in gap2.items() if k[0] in two} == expected, gaps_bytes={f"{m} {c}": int(v) for (m, c), v in
+                                                                             gap2.items() if m in two})
 
 
 def overhang(ws, rank):
@@ -226,9 +240,11 @@ r0 = {r.summary["mode_key"]: r.summary["memory_bytes"][0] for r in runs if r.sum
 P = runs[0].summary["num_params"]
 twin = {"shard_grad_op": "no_shard", "zero2": "zero0"}  # the same backend, nothing sharded
 part = {f"{k}/{t} {c}": r0[k][c] / r0[t][c] for k, t in twin.items() for c in ("grads", "optimizer_states")}
+stored = {r.summary["mode_key"]: r.summary["dtypes"]["stored_param"] for r in runs if r.summary["world_size"] == 2}
 claim("at rest SHARD_GRAD_OP keeps its fp32 weights sharded (half each), ZeRO-2 its bf16 weights whole; both shard "
       "the gradients and optimizer states", r0["shard_grad_op"]["params"] == 4 * P // 2 and r0["zero2"]["params"]
-      == 2 * P and max(part.values()) < 0.6, params_bytes={k: r0[k]["params"] for k in twin}, num_params=P, **part)
+      == 2 * P and (stored["shard_grad_op"], stored["zero2"]) == ("fp32", "bf16") and max(part.values()) < 0.6,
+      params_bytes={k: r0[k]["params"] for k in twin}, stored={k: stored[k] for k in twin}, num_params=P, **part)
 
 # %% [markdown]
 # ## What it buys: the largest micro-batch in a memory budget (estimated)

@@ -146,7 +146,7 @@ claim(f"fix 1 runs low precision at the rate times the {NPROC} ranks; fix 2 runs
 # **What each fix does.** With a larger rate more weights change per step (printed below) and the
 # low-precision run moves; our reading: more updates survive bf16 rounding. <!-- fact: torch.bf16_small_update_rounds_away -->
 # Nothing ties the factor to the number of ranks (an argument, not a run): bf16's rounding step depends on the weights, not
-# on the world size. Either fix is a different training run, and the cause stays: a schedule that
+# on the world size. <!-- fact: torch.bf16_small_update_rounds_away --> Either fix is a different training run, and the cause stays: a schedule that
 # decays the rate would meet it again (not run here). The fix that keeps the rate is the aligned
 # mode, at the memory cost of section 5.
 
@@ -159,7 +159,8 @@ claim(f"fix 2 narrows the gap: at lr {LR_HIGH} low precision gets over half the 
       d_low_hi > 0.5 * d_mixed_hi, drop_low=d_low_hi, drop_aligned=d_mixed_hi, share=d_low_hi / d_mixed_hi)
 moved = {lr: float(r.metrics["updated_fraction"].iloc[5:].mean()) for lr, r in ((LR, low), (LR_SCALED, scaled),
                                                                                 (LR_HIGH, low_hi))}
-claim("the larger the rate, the more of the low-precision run's bf16 weights change per step",
+claim("at the three rates run here, the larger the rate, the more of the low-precision run's bf16 weights change "
+      "per step",
       moved[LR] < moved[LR_SCALED] < moved[LR_HIGH], changed_per_step_by_lr=moved)
 
 # %% [markdown]
@@ -201,10 +202,11 @@ claim("every job probed one weight and loaded it in bf16; stored / optimizer: lo
                "fsdp_mixed": [q, "bf16", "fp32", None, "fp32", "fp32"],
                "deepspeed": [q, "bf16", "bf16", "fp32", "fp32", "fp32"]}, **seen)
 grads = {m: (measured[m]["reduce_dtype"], measured[m]["stored_grad"], measured[m]["optimizer_grad"])
-         for m in ("fsdp_mixed", "deepspeed")}
+         for m in ("fsdp_low", "fsdp_mixed", "deepspeed")}
 claim("both aligned modes reduce in bf16; FSDP keeps the reduced shard in fp32, DeepSpeed in bf16 with an fp32 copy "
-      "for the step", grads == {"fsdp_mixed": ("bf16", "fp32", "fp32"), "deepspeed": ("bf16", "bf16", "fp32")},
-      reduce_stored_step=grads)
+      "for the step; the low-precision run's gradients stay bf16 throughout",
+      grads == {"fsdp_low": ("bf16", "bf16", "bf16"), "fsdp_mixed": ("bf16", "fp32", "fp32"),
+                "deepspeed": ("bf16", "bf16", "fp32")}, reduce_stored_step=grads)
 
 # %% [markdown]
 # ## 4 · How many weights a step really changes
@@ -254,13 +256,18 @@ if nb.bitwise_parity_expected(NPROC):  # as the losses above
     claim("the aligned FSDP and DeepSpeed curves of the bf16 weights coincide, step for step",
           mixed.metrics["updated_fraction_compute"].tolist() == ds.metrics["updated_fraction_compute"].tolist(),
           aligned_fsdp=mixed.metrics["updated_fraction_compute"].round(4).tolist()[:8])
+claim("in the aligned run the bf16 weights change far less often than the fp32 shards (under a quarter as often), "
+      "yet some change at every step from step 5", frac["FSDP aligned"][1] < frac["FSDP aligned"][0] / 4
+      and mixed.metrics["updated_fraction_compute"].iloc[5:].min() > 0, fp32_shards=frac["FSDP aligned"][0],
+      bf16_weights=frac["FSDP aligned"][1],
+      fewest_bf16_changed=float(mixed.metrics["updated_fraction_compute"].iloc[5:].min()))
 
 # %% [markdown]
 # **What it shows.** With fp32 shards nearly every weight with a gradient moves at every step from step 5, and
 # small moves add up until they cross a bf16 rounding boundary (our reading of the two curves). In the low-precision run a move under
 # half a rounding step (up to about |w| / 256) is lost for good. <!-- fact: torch.bf16_small_update_rounds_away -->
 # The aligned FSDP and DeepSpeed curves coincide: DeepSpeed's bf16 shard is its fp32 master
-# rounded, <!-- fact: deepspeed.zero3_bf16_partition_is_rounded_master --> which is what FSDP's forward gathers.
+# rounded, <!-- fact: deepspeed.zero3_bf16_partition_is_rounded_master --> which is what FSDP's forward gathers. <!-- fact: accelerate.fsdp_bf16_policy -->
 #
 # ## 5 · What the upcast costs
 #

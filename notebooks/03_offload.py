@@ -232,6 +232,10 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (the deep di
     claim("the last loss is a bump at step 9 after the loss had fallen at every step before it, not a stall "
           "(the deep dive 10_launching_details traces it)",
           lo[9] > lo[8] + 0.3 and all(b < a for a, b in zip(lo[:9], lo[1:9])), step0=lo[0], step8=lo[8], step9=lo[9])
+ds_off = {label: (r.summary["effective"]["optimizer"], r.config["deepspeed"]["json"].get("zero_force_ds_cpu_optimizer"))
+          for label, r in RUNS.items() if label.startswith("DeepSpeed") and "no offload" not in label}
+claim("every DeepSpeed offload run stepped torch's AdamW, its JSON setting zero_force_ds_cpu_optimizer false",
+      all(v == ("AdamW", False) for v in ds_off.values()), optimizer_and_setting=ds_off)
 
 # %% [markdown]
 # On this CPU, offload changed the backends' bookkeeping and copies, not the arithmetic (our reading:

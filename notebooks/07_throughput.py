@@ -198,8 +198,8 @@ claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12
 # %% [markdown]
 # **What it means.** Here the two backends give identical losses. Whether one was faster, in these
 # runs on this machine, is the verdict above (its rule is checked with it); the write-up's two figures differ by 2%.
-# Each job measures its peak again, and the four can differ (by how much here: printed above), so MFU can move with the
-# measured peak as well as with tokens/s (our reading): compare the backends by tokens/s. "tokens/s/device" here
+# Each job measures its peak again, and the four can differ (by how much here: printed above); MFU divides by that
+# peak, so it moves with the peak as well as with tokens/s (the formula): compare the backends by tokens/s. "tokens/s/device" here
 # is per rank; on this machine the ranks share one CPU (checked above). The last check sets our absolute numbers beside the write-up's.
 #
 # ## What may limit MFU here (not measured), and what changes on a GPU node

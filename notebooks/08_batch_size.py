@@ -186,7 +186,7 @@ else:
     print("on a GPU the allocator's reserved memory sits above the tensors' peak: read the runs column")
 
 # %% [markdown]
-# The same direction as the write-up's tables (their numbers are facts from their GPUs, not runs here):
+# The FSDP rows go the same direction as the write-up's tables (from their GPUs, not run here):
 
 # %%
 SEEDS = pd.DataFrame([
@@ -306,8 +306,9 @@ if GPUS:
     claim("on a GPU, offload fits more than FULL_SHARD alone", LARGEST[OFFLOAD] > LARGEST[FS],
           offload=LARGEST[OFFLOAD], full_shard=LARGEST[FS])
 else:
-    claim("on one RAM, offload fits fewer sequences than the estimator predicts with its states off the device (as on "
-          "a GPU, before CUDA's own buffers), and within one of FULL_SHARD without offload", LARGEST[OFFLOAD] < offload_gpu and abs(LARGEST[OFFLOAD] - LARGEST[FS]) <= 1,
+    claim("on one RAM, offload fits fewer sequences than the estimator predicts with its states off the device (its "
+          "count for a GPU), and within one of FULL_SHARD without offload",
+          LARGEST[OFFLOAD] < offload_gpu and abs(LARGEST[OFFLOAD] - LARGEST[FS]) <= 1,
           offload=LARGEST[OFFLOAD], predicted_states_off=offload_gpu, full_shard=LARGEST[FS])
     both = sorted(set(RESULT[FS]) & set(RESULT[OFFLOAD]))
     peak = {b: [max(RESULT[m][b]["peak_tensor_bytes"]) / 2**20 for m in (FS, OFFLOAD)] for b in both}
@@ -322,7 +323,7 @@ claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1:
       and max(z3["peak_tensor_bytes"]) > bucket > BUDGET,
       measured_MiB=max(z3["peak_tensor_bytes"]) / 2**20, bucket_MiB=bucket / 2**20, budget_MiB=BUDGET / 2**20)
 fs_peak = max(RESULT[FS][LARGEST[FS]]["peak_tensor_bytes"]) if LARGEST[FS] else BUDGET
-claim(f"so on this small model DeepSpeed's defaults need more memory than FSDP: ZeRO-3 at micro-batch 1 peaks above "
+claim(f"so on this small model ZeRO-3's defaults need more memory than FSDP: ZeRO-3 at micro-batch 1 peaks above "
       f"FULL_SHARD at {LARGEST[FS]}; the estimator counts the bucket and shows it before a run: no micro-batch fits",
       max(z3["peak_tensor_bytes"]) > fs_peak and zero3["largest_micro_batch"] == 0,
       zero3_MiB=max(z3["peak_tensor_bytes"]) / 2**20, full_shard_MiB=fs_peak / 2**20, predicted=zero3["largest_micro_batch"])
@@ -340,8 +341,8 @@ claim(f"so on this small model DeepSpeed's defaults need more memory than FSDP: 
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD in this
 #   run. It held more state (its whole small parameters), and the estimator counts more working
-#   bytes (not measured); our reading: these make the gap the estimator predicts (printed above), and a
-#   run's gap can differ, since peaks move between identical jobs.
+#   bytes (not measured); our reading: these make the gap the estimator predicts (printed above); a
+#   run's gap can differ, as peaks move between identical jobs (`18_fit_details`).
 # * On one RAM, offload fit within one sequence of FULL_SHARD, and fewer than the estimator
 #   predicts with the offloaded states off the device. DeepSpeed's default gradient bucket is larger than this budget: the
 #   shipped ZeRO-3 did not fit batch 1.

@@ -125,7 +125,7 @@ ax.legend(loc="upper right", ncol=2);
 # no fp32 master. FSDP shards that weight like any other (each rank holds 1/N of it), and so does
 # ZeRO-3, which also keeps whole copies of the small parameters next to their 1/N (below).
 # ZeRO-2 keeps it whole on every rank, in bf16: by design its flat buffers hold only what the optimizer
-# steps, so a frozen parameter stays a plain module parameter (ZeRO-1 too, not run here:
+# steps, <!-- fact: deepspeed.zero12_flat_buffer_per_group --> so a frozen parameter stays a plain module parameter (ZeRO-1 too, not run here:
 # `tests/test_lora.py`). FSDP keeps the frozen weight in bf16: the job applies
 # Accelerate's rule, which upcasts only trainable parameters
 # <!-- fact: accelerate.fsdp2_upcasts_trainable_only -->. The adapter's own state (weights,
@@ -190,8 +190,8 @@ claim(f"ZeRO-3 holds {extra_B / 2**20:.3f} MiB more than the estimator counts: e
 # is most of the peak, so every row is also scored without it (`error_wo_bucket`).
 #
 # ZeRO-3 peaks above ZeRO-2, though it holds half as much of the frozen base. Our reading
-# (`benchmarks/peak_alive.py` shows it): ahead of each forward it gathers the model, and the
-# all-gather's buffers and their concatenated copy are alive together.
+# (a `benchmarks/peak_alive.py` listing, not run here; the size is checked below): ahead of each forward it
+# gathers the model, and the all-gather's buffers and their concatenated copy are alive together.
 #
 # Identical jobs can measure different CPU peaks (not run twice here; `18_fit_details` shows it). A job more than 10% off
 # is trained again (two steps, no saves), and the smaller of its two peaks counts (`tests/test_estimate.py` does the same at 2%). The next
@@ -227,7 +227,7 @@ claim("DeepSpeed's peaks sit near 1 GB (0.95-1.2 GB), most of each the bf16 grad
 wo = table.error_wo_bucket.abs()
 fits = {"with": (table.error.abs() <= 0.10).all(), "without": wo["full_shard"] <= 0.10 and wo["zero2"] <= 0.10
         and wo["zero3"] <= 0.20}
-claim("the estimator predicts every job's peak within 10%", fits["with"],
+claim("the estimator predicts the peak of each job in the table within 10%", fits["with"],
       worst=table.error.abs().max(), jobs_run_twice=int(table.filter(["peak_again_MiB"]).notna().sum().sum()))
 claim("without the bucket, FSDP and ZeRO-2 stay within 10%, ZeRO-3 within 20%", fits["without"],
       worst_wo_bucket=wo.round(3).to_dict())
@@ -240,6 +240,8 @@ claim("ZeRO-3 peaks above ZeRO-2: the gap plus the frozen weights ZeRO-2 holds b
 if SIZE == "full":  # checked at full size only (the quick size runs `tiny`: not checked there)
     claim("though ZeRO-3 holds half as much of the frozen base as ZeRO-2 (within 1%)", abs(z3 / z2 - 0.5) <= 0.005,
           ratio=z3 / z2)
+    claim("that memory in flight is about two bf16 copies of the model (1.5x to 2.5x): the gathered buffers and "
+          "their concatenated copy", 1.5 < in_flight / model_MiB < 2.5, copies=in_flight / model_MiB)
 
 # %% [markdown]
 # ## Saving the adapter, and the ZeRO-3 trap
@@ -255,7 +257,7 @@ if SIZE == "full":  # checked at full size only (the quick size runs `tiny`: not
 # what a plain `save_pretrained` on rank 0 writes (no file under FSDP, where it fails; imitated: PEFT's state dict of the module as
 # rank 0 holds it, handed to safetensors). `zero3.yaml` keeps DeepSpeed's default threshold
 # (100,000 elements). One more job runs `zero3_no_prefetch.yaml`: threshold 0 (our reading: none
-# of its other settings changes what is partitioned).
+# of its other settings changes what is partitioned). <!-- fact: deepspeed.zero3_persistence_threshold_zero -->
 
 # %% language="bash"
 # torchrun --standalone --nproc_per_node $N -m helpers.train --config launch_configs/deepspeed/zero3_no_prefetch.yaml \
@@ -369,7 +371,7 @@ claim("a frozen parameter costs only its weight; FSDP and ZeRO-3 shard it (ZeRO-
 claim("the estimator takes the LoRA config and predicted these peaks within 10% (without DeepSpeed's fixed gradient "
       "bucket: FSDP and ZeRO-2 within 10%, ZeRO-3 within 20%)", fits["with"] and fits["without"])
 claim("a plain save under ZeRO-3 was empty at threshold 0 and whole at the default, and Accelerate's auto would "
-      "partition part of this adapter on a 7B-width model (by the threshold rule): under ZeRO-3 a config setting "
+      "partition part of this adapter on a 7B-width model (by the threshold rule): under ZeRO-3 the config "
       "decides, not the save code; under FSDP2 "
       "the plain save (imitated) failed", all(plain.values()) and bool(over_auto),
       **{k: bool(v) for k, v in plain.items()})

@@ -126,9 +126,9 @@ if "zero2" in sweep_modes:  # the model at 2 ranks: (2 + 2/2 + 12/2) / 16 = 9/16
 # A parameter that straddles a slice edge
 # belongs to each rank it touches, and (with the default bf16 gradient buffer) each keeps that
 # parameter's *whole* gradient until the step. <!-- fact: deepspeed.zero12_straddler_whole_grad --> So a rank holds its 1/N of the gradients plus the rest of the (at most two)
-# parameters that straddle its slice's edges (our reading: so the overhang weighs more when parameters are few
-# and large). ZeRO-1 holds the same at this point: it reduces the gradients into partitions at the
-# accumulation boundary, just before the step (notebook 01). The
+# parameters that straddle its slice's edges (so, by that arithmetic, the overhang weighs more when parameters are
+# few and large). ZeRO-1 holds the same at this point: it reduces the gradients into partitions at the
+# accumulation boundary, just before the step (notebook 01). <!-- fact: deepspeed.zero1_reduces_at_boundary --> The
 # cell below walks the parameters in order, finds those edges, and checks each rank's bytes
 # against that count exactly. ZeRO-3 partitions each parameter separately and has no such
 # overhang. <!-- fact: deepspeed.zero3_per_param_partitions -->
@@ -284,7 +284,7 @@ claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["s
 # * Fully sharded state falls with the number of ranks (a quarter at 4 ranks, checked above);
 #   NO_SHARD divides nothing, and ZeRO-2 keeps whole parameters.
 # * A ZeRO-1/2 rank holds its 1/N slice of the gradients plus the rest of the parameters that
-#   straddle its slice's edges, byte for byte; ZeRO-3 holds exactly its 1/N.
+#   straddle its slice's edges, byte for byte; ZeRO-3 holds exactly its 1/N of the gradients.
 # * FULL_SHARD and ZeRO-3 train bit for bit alike at every world size run here (2-step runs);
 #   ZeRO-0's losses part from NO_SHARD's (where, we have not traced; its reported norm, computed
 #   its own way, differs already at step 0).

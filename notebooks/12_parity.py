@@ -53,7 +53,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # ## 1 · The parity breakers
 #
 # The shipped pair (`launch_configs/fsdp/full_shard.yaml`, `launch_configs/deepspeed/zero3.yaml`)
-# trains bit for bit alike on this CPU (notebooks 00 and 02). It takes explicit choices. The first two **parity breakers** below
+# trains bit for bit alike on this CPU without gradient accumulation (notebooks 00 and 02; section 4 accumulates). It takes explicit choices. The first two **parity breakers** below
 # part the runs when left at their defaults (clipping, when the gradient norm passes the limit:
 # shown on the tiny Llama in section 2; ZeRO-3's linear on a model whose biased layers take 3-D inputs: shown
 # on Qwen2), the third one family (section 5); the others are
@@ -79,7 +79,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides (bf16 on the wire;
 #   each side then keeps the reduced gradient in its own dtype, notebook 02's table, and `compare`
 #   below reads the fp32 copy the optimizer uses), <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
-#   bf16-rounded weights (notebook 02's bf16 weight curves coincide).
+#   bf16-rounded weights (notebook 02's curves of bf16 weights changed per step coincide).
 # * **The gradient norm's arithmetic**, which only clipping reads in training: FSDP's engine sums the
 #   per-shard norms in ZeRO-3's order <!-- fact: deepspeed.zero3_grad_norm_fp64 --> (another order of the same sum can part in the last
 #   bit; not run here).
@@ -92,7 +92,9 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 facts.show("deepspeed.zero3_linear_adds_bias_after", "deepspeed.gradient_clipping_default")
 shipped = json.loads(Path("launch_configs/deepspeed/zero3.json").read_text())
 claim("the shipped zero3.json says gradient_clipping 0.0 and memory_efficient_linear false",
-      shipped["gradient_clipping"] == 0.0 and shipped["zero_optimization"]["memory_efficient_linear"] is False)
+      shipped["gradient_clipping"] == 0.0 and shipped["zero_optimization"]["memory_efficient_linear"] is False,
+      gradient_clipping=shipped["gradient_clipping"],
+      memory_efficient_linear=shipped["zero_optimization"]["memory_efficient_linear"])
 linear_on = [p.name for p in sorted(Path("launch_configs/deepspeed").glob("zero3*.json"))
              if json.loads(p.read_text())["zero_optimization"].get("memory_efficient_linear", True) is not False]
 claim("every shipped zero3*.json sets memory_efficient_linear false", not linear_on, not_false=linear_on)
@@ -184,6 +186,10 @@ claim("gradient norms exceed 1 at every step of all three runs, so a clip at 1.0
 claim("step 0 is identical; the runs part from step 1, by a small drift (under 1e-2) still there at the last step",
       drift.iloc[0] == 0 and drift.iloc[1] > 0 and drift.iloc[-1] > 0 and drift.max() < 1e-2,
       first=float(drift.iloc[0]), second=float(drift.iloc[1]), last=float(drift.iloc[-1]), largest=float(drift.max()))
+moved = float(fsdp_hi.metrics["loss"].iloc[0] - fsdp_hi.metrics["loss"].iloc[-1])
+claim("the clip scales every gradient down (every norm is over 1), yet the drift stays under 1% of what training "
+      "moved the loss", drift.max() < 0.01 * moved and min(norms.values()) > 1.0, largest_drift=float(drift.max()),
+      loss_moved=moved)
 clip_identical = ds_clip.summary["losses"] == fsdp_clip.summary["losses"]
 norms_identical = ds_clip.metrics["grad_norm"].tolist() == fsdp_clip.metrics["grad_norm"].tolist()
 if nb.bitwise_parity_expected(NPROC):  # bit for bit on a CPU (gloo)
@@ -195,8 +201,8 @@ else:
 
 # %% [markdown]
 # Step 0's loss is identical (the first forward pass does not depend on clipping); from step 1 the
-# runs part. The drift is small (the gaps printed above); our reading: Adam divides out most of a uniform scaling of the
-# gradient, <!-- fact: torch.adam_divides_out_grad_scale --> but it is still there at the last step: "identical" is gone. FSDP has no clipping in its config
+# runs part. The drift is small (the gaps printed above: under 1% of what the loss moved, although the clip scaled
+# every gradient down); our reading: Adam divides out most of a uniform scaling of the gradient, <!-- fact: torch.adam_divides_out_grad_scale --> but it is still there at the last step: "identical" is gone. FSDP has no clipping in its config
 # (an Accelerate script calls `accelerator.clip_grad_norm_` itself); <!-- fact: accelerate.clipping_is_the_scripts --> `helpers.train`'s FSDP engine has its own clipping, with
 # DeepSpeed's formula, the global norm in fp64 over the local grad shards, summed in ZeRO-3's
 # order, and the factor `1 / max((norm + 1e-6) / max_norm, 1)` (`helpers/job/backends/fsdp.py`). <!-- fact: deepspeed.zero3_grad_norm_fp64 -->
@@ -229,7 +235,7 @@ else:
 # %% [markdown]
 # **The stalling pair.** Same weights, same gradients, reduced alike; the first thing that
 # differs is step 0's *update*, stored in bf16 on one side and fp32 on the other, and in that
-# tensor far fewer elements changed in bf16: the small updates bf16 rounds away. The losses part one
+# tensor far fewer elements changed in bf16 (our reading: the small updates bf16 rounds away <!-- fact: torch.bf16_small_update_rounds_away -->). The losses part one
 # step later, at step 1. **The clipping breaker.** The weights and local gradients agree;
 # the first difference is step 0's reduced gradient as the optimizer reads it, both fp32:
 # DeepSpeed clipped it (the norm above 1), FSDP did not. <!-- fact: deepspeed.gradient_clipping_default -->
@@ -292,6 +298,11 @@ claim("both backends see twice the tokens per step with --grad-accum 2 (DeepSpee
       == 2 * fsdp_hi.summary["tokens_per_step"], grad_accum=accum, tokens_per_step=acc_f.summary["tokens_per_step"])
 claim("close, not bit for bit: the same first loss, then apart by more than 0 and under 1e-3",
       acc_gap.iloc[0] == 0 and 0 < acc_gap.max() < 1e-3, largest_gap=float(acc_gap.max()))
+n0 = (float(acc_f.metrics["grad_norm"].iloc[0]), float(acc_d.metrics["grad_norm"].iloc[0]))
+claim("the first difference is in the last bits: step 0's gradient norms part by under 1e-5 of their size, and the "
+      "gap is still there at the last step", n0[0] != n0[1] and abs(n0[0] - n0[1]) < 1e-5 * n0[0]
+      and acc_gap.iloc[-1] > 0, step0_grad_norms=n0, relative_gap=abs(n0[0] - n0[1]) / n0[0],
+      last_gap=float(acc_gap.iloc[-1]))
 acc = compare.compare("notebooks/runs/12_accum_full_shard", "notebooks/runs/12_accum_zero3")
 claim("the local gradients agree; the first tensors that differ are step 0's reduced gradients as the optimizer "
       "reads them, fp32 on both sides",
@@ -302,24 +313,25 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 
 # %% [markdown]
 # Close, but not bit for bit, although nothing is clipped. Our reading: the two backends add the
-# same numbers in a different order and precision (from the libraries' code; the runs do not trace the sums): FSDP2 sums the micro-batch gradients on each
+# same numbers in a different order (from the libraries' code; the runs do not trace the sums): FSDP2 sums the micro-batch gradients on each
 # rank (in bf16) and reduces once, <!-- fact: torch.fsdp2_no_sync_accumulates_unreduced --> while ZeRO-3, run as here, reduces every micro-batch
 # (its `no_sync()` refuses ZeRO-3; `coalesce_grad_reduction()`, unused here, would defer it) <!-- fact: deepspeed.zero3_no_sync_refused -->
 # and adds the reduced shards in its gradient buffer, <!-- fact: deepspeed.zero3_adds_reduced_grads -->
 # which is bf16 unless the JSON says `"data_types": {"grad_accum_dtype": "fp32"}` <!-- fact: deepspeed.reduce_dtype_keys -->
 # (`compare` above reports the reduced gradient as the optimizer reads it, DeepSpeed's fp32
 # copy of that buffer; <!-- fact: deepspeed.zero3_fp32_grad_copy_for_step --> notebook 02's dtype table shows the bf16 buffer itself).
-# Rounding bf16 sums in another order can change the last bits (our reading), and training carries them on.
+# Rounding bf16 sums in another order can change the last bits (our reading), and training carries them on (the
+# step-0 norms part by under 1e-5 of their size; the gap is still there at the last step).
 # `compare` agrees: every micro-batch's local gradient is the same on both sides at step 0;
 # the first tensors that differ are the reduced gradients of that step.
 #
 # ## 5 · Twenty family configs, checked with `helpers.switch`
 #
 # Is parity a property of the tiny Llama only? `python -m helpers.switch` answers it for any
-# model: it translates a config to the other backend, runs both jobs in one launch with tensor and
+# model you give it: it translates a config to the other backend, runs both jobs in one launch with tensor and
 # activation traces, prints the settings the two runs used side by side, and says whether they
-# are identical. If they are not, it names the first module whose output differs and the known
-# cause. `--families` runs it over the guide's tiny configs (`helpers.core.families`, what `--model`
+# are identical. If they are not, it names the first module whose output differs and, where a rule
+# of `helpers.core.causes` applies, the known cause. `--families` runs it over the guide's tiny configs (`helpers.core.families`, written as the `config.json` files `--model`
 # takes) of causal-LM families transformers builds from a config (19 model types: Llama comes tied
 # and untied) <!-- fact: transformers.causal_lm_families -->:
 # biases or none, tied embeddings, grouped-query, multi-query and latent attention, three mixtures of
@@ -396,6 +408,9 @@ if nb.bitwise_parity_expected(NPROC):  # a CPU; on a GPU the sweep's jobs do not
           olmo["module"] is not None and (olmo["module"]["step"], olmo["module"]["phase"], olmo["module"]["module"])
           == (0, "forward", "model.layers.0.self_attn.o_proj")
           and [c["key"] for c in olmo["causes"]] == ["fsdp_casts_unit_inputs"], module=olmo["module"])
+    rotary = [c["text"] for c in olmo["causes"] if "model.rotary_emb" in c["text"]]
+    claim("the fp32 tensor made outside the layers that switch found before o_proj is the rotary embedding's output",
+          len(rotary) == 1, cause_text=rotary[0] if rotary else olmo["causes"])
 else:
     print("on a GPU without --deterministic, bit-identity is not expected: the table is shown, not checked")
 claim("Gemma-2 trained with eager attention on both backends", [json.loads(
@@ -431,9 +446,9 @@ claim(f"in the sweep's llama ZeRO-3's rank 0 holds {1 + 1 / NPROC:.2f} whole cop
 # sin in fp32 <!-- fact: transformers.olmo2_rotary_fp32 -->, and FSDP2 casts every unit's inputs to
 # bf16 before the unit runs <!-- fact: torch.fsdp2_casts_unit_inputs -->, so (our reading of the two facts) its layers rotate
 # queries and keys with bf16 cos/sin under FSDP and fp32 ones under DeepSpeed. The trace's first
-# differing module is `o_proj`, right after the attention (the attention is a function, not a
-# module). Neither side is wrong (our reading); they differ, and `switch` says where (the rule it applied is
-# a diagnosis: the two facts printed above are the mechanism). Under DeepSpeed's default
+# differing module is `o_proj`, right after the attention (in transformers' OLMo-2 code the attention is a
+# function, not a module; not checked here). They differ, and `switch` says where (the rule it applied is
+# a diagnosis; in our reading the two facts printed above are the mechanism: no run here turns the cast off). Under DeepSpeed's default
 # linear, Qwen2 parts at step 1 <!-- fact: deepspeed.zero3_linear_adds_bias_after -->: the weights
 # are still identical, the first module output that differs is a biased `Linear`, its bias added in
 # a second rounding, which only matters once the zero-initialised biases have moved. Llama, without
@@ -450,8 +465,8 @@ claim("DeepSpeed's clip at 1.0 when gradient_clipping is absent, and ZeRO-3's ow
       "are each enough to make the runs drift", drift.iloc[-1] > 0 and qwen["first_step"] == 1
       and not qwen["identical"], implicit_clip_drift=float(drift.max()), qwen2_parts_at_step=qwen["first_step"])
 if nb.bitwise_parity_expected(NPROC):
-    claim("with the same clipping the pair is bit-identical; even then one FSDP default (its cast of unit inputs) "
-          "parts one family of the sweep, OLMo-2", clip_identical and norms_identical and differ == ["olmo2"]
+    claim("with the same clipping and without accumulation the pair is bit-identical; even then one FSDP default "
+          "(its cast of unit inputs) parts one family of the sweep, OLMo-2", clip_identical and norms_identical and differ == ["olmo2"]
           and [x["key"] for x in switched["olmo2"]["causes"]] == ["fsdp_casts_unit_inputs"], differ=differ,
           families_identical=f"{int(family_table['bit-identical'].sum())} of {len(SWEEP)}")
 claim("gradient accumulation agrees closely but not bitwise", 0 < acc_gap.max() < 1e-3,
@@ -466,12 +481,12 @@ claim("compare names where two runs part: the stalling pair's bf16 update, the i
 #   and one FSDP default (last bullet) part runs. Clipping at 1.0 when `gradient_clipping` is absent (it acts once the norm passes 1, as at step 0 here), and ZeRO-3's own
 #   linear for biased `Linear` layers on batch x sequence inputs (run here on Qwen2 only), <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
 # * Gradient accumulation agrees closely but not bitwise: the backends reduce and accumulate in a
-#   different order (our reading of the fact). <!-- fact: deepspeed.zero3_adds_reduced_grads -->
+#   different order (our reading of the facts). <!-- fact: torch.fsdp2_no_sync_accumulates_unreduced --> <!-- fact: deepspeed.zero3_adds_reduced_grads -->
 # * `python -m helpers.compare` names the first step, and with `--trace-tensors` the first
 #   tensor, stage and dtypes, where two runs part: the bf16 update of the stalling pair, the
 #   reduced gradient (where the implicit clip acted) of the implicit default.
 # * `python -m helpers.switch` runs both backends on a model config and names the first module
-#   that differs: every family swept is identical, for the steps it ran, but OLMo-2 (our reading: FSDP casts its fp32 rotary cos/sin to
+#   that differs: on this CPU every family swept is identical, for the steps it ran, but OLMo-2 (our reading: FSDP casts its fp32 rotary cos/sin to
 #   bf16): a third breaker, an FSDP default.
 #
 # Back to the path: `03_offload`.

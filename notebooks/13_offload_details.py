@@ -296,7 +296,7 @@ else:
 # (`RssAnon`, sampled each phase; on a GPU `max_memory_allocated` of the device). On this machine
 # host and device are one memory, and each run's whole state is a small part of its peak (the check
 # below), so the peaks are shown without a claim (on a GPU, where the allocator's peak is exact,
-# the cell checks that FSDP offload lowers it). Bytes do show that the NVMe run cannot have saved
+# the cell checks that FSDP offload lowers it; not run here). Bytes do show that the NVMe run cannot have saved
 # RAM here: when `offload_param` goes to `nvme`, DeepSpeed's parameter swapper allocates `buffer_count` x
 # `buffer_size` bf16 elements of page-locked host memory per rank as it starts (whether or not any
 # parameter is swapped), <!-- fact: deepspeed.nvme_param_swapper_locked_buffers --> plus its optimizer swapper's buffers; the job measures both
@@ -363,7 +363,7 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # **What it means.** Without an accelerator, "copying to the host" is at most a copy within the
 # same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop --> and the optimizer runs on the same cores either way,
 # so there is no transfer to pay for. What differs is
-# the code each offload path runs (its own buffers and copies; our reading). The ratios come from one run each,
+# the code each offload path runs (each config's own buffers and copies; the steps are not broken down here). The ratios come from one run each,
 # so they cannot tell the offload path from the machine's drift, and we have not broken the steps
 # down. NVMe adds reads and writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past
 # the page cache. <!-- fact: deepspeed.aio_o_direct --> On a GPU (not run here) the picture changes: every step, offloaded
@@ -372,8 +372,8 @@ claim("every ratio compares two runs of the same backend, model and steps, each 
 # step runs on the host's cores instead of the GPU <!-- fact: deepspeed.offload_optimizer_steps_on_host -->, and (DeepSpeed with
 # `offload_optimizer` alone) the updated bf16 weights come back up; the optimizer's states and fp32
 # master stay on the host: that is what offloading them saves (not checked here). That time is the
-# price of the accelerator memory offload frees; measure it there with the same cells, repeated
-# and interleaved.
+# price of the accelerator memory offload frees; measure it there with these jobs, repeated
+# and interleaved (notebook 07's `timing_runs`).
 #
 # ## Recap
 #

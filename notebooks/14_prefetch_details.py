@@ -207,7 +207,7 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # `traces.overlap_in_calls_ms` is the part of "both at once" inside any compute-lane operator
 # in which the training thread itself called a collective (the trace nests the call in it),
 # and the cell splits it off from the rest.
-# (ZeRO-3's gathers are asynchronous, FSDP2's synchronous.) <!-- fact: deepspeed.zero3_async_all_gather -->
+# (ZeRO-3's gathers are asynchronous, FSDP2's synchronous.) <!-- fact: deepspeed.zero3_async_all_gather --> <!-- fact: torch.fsdp2_gathers_synchronous -->
 # On a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
 
 # %%
@@ -236,7 +236,7 @@ if not GPUS:
 # DeepSpeed it calls the engine's `compile()`, which compiles the wrapped module. <!-- fact: deepspeed.engine_compile_module -->
 # ZeRO-3 keeps two per-module hooks out of dynamo (the pre-forward gather and the post-backward
 # release); its other hooks, the backward gather's setup among them, are traced: <!-- fact: deepspeed.zero3_hooks_and_dynamo -->
-# they change from call to call (our reading of the warnings), so dynamo recompiles until its recompile limit (the fact
+# they change from call to call (each warning names the guard that failed), so dynamo recompiles until its recompile limit (the fact
 # printed below) and then leaves them eager, <!-- fact: torch.dynamo_recompile_limit --> with a warning the cells count.
 #
 # Why FSDP1 needed `fsdp_use_orig_params: true` for this: FSDP1 flattened a unit's parameters
@@ -297,6 +297,11 @@ if SIZE == "full":
                  and not gave_up["full_shard"])
     claim("ZeRO-3's per-module hooks (DeepSpeed's zero/ code) hit dynamo's recompile limit, and nothing else did; "
           "FSDP's run never hit it", only_zero, warnings={k: len(v) for k, v in gave_up.items()})
+    # the line after "function:" is the guard that failed on the last call: a value the previous calls did not have
+    why = re.findall(r"recompile_limit.*\n.*function: '\w+'.*\n.*last reason: [\d/]+: (.+?)\s{2,}#",
+                     Path("notebooks/runs/14_compile_zero3.stderr").read_text())
+    claim("each of those warnings names the guard that failed: a value that changed from call to call",
+          len(why) == len(gave_up["zero3"]) > 0, guards=sorted({re.sub(r"\d{6,}", "ID", g) for g in why}))
 else:
     print("skipped at GUIDE_SIZE=quick")
 

@@ -109,7 +109,7 @@ claim(f"from the FSDP job's step-{K} checkpoint, converted, a ZeRO-3 job on {NPR
       resumed_from=ds.summary["resumed_from"]["path"])
 if nb.bitwise_parity_expected(NPROC):
     claim(f"the DeepSpeed job, resumed from FSDP's step {K}, has FSDP's losses at steps {K}..{2 * K - 1}, bit for bit",
-          ds.summary["losses"] == fsdp_losses[K:2 * K], losses=ds.summary["losses"])
+          ds.summary["losses"] == fsdp_losses[K:2 * K], deepspeed=ds.summary["losses"], fsdp=fsdp_losses[K:2 * K])
 else:
     claim(f"the DeepSpeed job, resumed from FSDP's step {K}, is within 1e-2 of FSDP's losses (nccl)", gap < 1e-2,
           max_difference=gap)

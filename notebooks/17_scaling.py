@@ -24,7 +24,7 @@
 # `benchmarks/scaling.py`, which launches real `helpers.train` jobs and collects their summaries
 # into a CSV. The sweeps train the **plain fp32 pair** (`fsdp/full_shard_low_precision.yaml
 # --model-dtype fp32` next to `deepspeed/zero3_fp32.yaml`), whose speed should not depend on which
-# bf16 instructions a CPU has (our reading: one CPU here).
+# bf16 instructions a CPU has (not checked: one CPU here).
 
 # %%
 import os
@@ -150,6 +150,11 @@ claim("every job trained the plain fp32 pair (no mixed precision, fp32 weights i
           and (GPUS or "fp32 matmul" in j["peak_flops_source"]) for j in jobs),
       peak_sources=sorted({j["peak_flops_source"].split(",")[0] for j in jobs}))
 print(f"MFU per backend, {' -> '.join(SIZES)}: {mfu}")
+off = {b: [float(by.loc[(b, m), "step_time_s"] * (1 - by.loc[(b, m), "mfu"])) for m in SIZES] for b in ("fsdp", "deepspeed")}
+grew = {b: v[-1] / v[0] for b, v in off.items()}
+claim(f"the time off the peak (step time x (1 - MFU)) grows from tiny to {SIZES[-1]} more slowly than the FLOPs per "
+      "token", all(g < flops[-1] / flops[0] for g in grew.values()), off_peak_s=off, grew=grew,
+      flops_grew=flops[-1] / flops[0])
 print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not a comparison of the backends):",
       {m: round(float(by.loc[("fsdp", m), "step_time_s"] / by.loc[("deepspeed", m), "step_time_s"]), 2)
        for m in SIZES})
@@ -157,12 +162,12 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 # %% [markdown]
 # **What it means.** In these one-job-per-point runs, `small` processes fewer tokens per second than `tiny` (more FLOPs per token),
 # and uses the core better than `tiny` does (each MFU against its own
-# job's measured peak, which moves from job to job: the range printed above). Our reading (the
-# fixed costs are not measured here): a `tiny` step is a few small matmuls wrapped in fixed costs —
+# job's measured peak, which moves from job to job: the range printed above). Our reading (these
+# overheads are not broken down here): a `tiny` step is a few small matmuls wrapped in per-op overheads —
 # Python, launching each op, the optimizer's per-parameter loop (FSDP's; DeepSpeed steps one
 # flat partition), gloo's collectives (FSDP gathers each unit, again in backward when it resharded after forward, and reduces it once) — which do
-# no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> As the matmuls grow, those costs
-# shrink relative to the arithmetic, and MFU is higher than tiny's. Whether it keeps rising
+# no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> As the matmuls grow, the time off the
+# peak grows more slowly than the arithmetic (checked below), and MFU is higher than tiny's. Whether it keeps rising
 # beyond `small` is not measured here: add `medium` to `--models` and look (on a CPU it need not rise,
 # our reading: a larger model's weights and activations also outgrow the caches). The last
 # line compares the backends at each size from one short job each: with no spread to read,
@@ -220,19 +225,25 @@ if not GPUS and CORES < 4:
                                                              r.summary["peak_flops_source"] for r in at_four))
 elif not GPUS:
     print(f"at 4 ranks on {CORES} cores: no core shared")
+if not GPUS:
+    one = [r.summary["peak_flops"] for r in rank_runs if r.summary["world_size"] == 1]
+    claim("each 4-rank job's peak (measured by rank 0 alone) is a whole core's: over 3/4 of the best 1-rank peak "
+          "(a core shared by two would give about half)", all(r.summary["peak_flops"] > 0.75 * max(one) for r in at_four),
+          peak_4_ranks=[r.summary["peak_flops"] for r in at_four], best_1_rank=max(one))
 
 # %% [markdown]
 # **What it means.** Here 4 ranks share the cores (checked above), so ranks share a core's
 # peak, while each job's peak is measured by rank 0 alone (how the job measures; not checked here): the 4-rank MFU
-# divides by a whole core's peak, while four ranks shared two cores. How much of the per-rank ratio above is that sharing is not measured here (our reading:
-# it depends on how long a rank waits in collectives, leaving the core to the other); the ratios
+# divides by a whole core's peak (checked above), while four ranks shared two cores.
+# How much of the per-rank ratio above is that sharing is not measured here; the ratios
 # above come from one short job each, so no speed conclusion is drawn from them. On a GPU node
 # every rank has its own device (not run here).
 #
 # ## Recap
 #
 # * Here (one job per point), `small` processed fewer tokens per second than `tiny` and used
-#   the core better (higher MFU); fixed costs per op are our reading of why.
+#   the core better (higher MFU): the time off the peak grew more slowly than the FLOPs (per-op overheads,
+#   our reading).
 # * Here 4 ranks ran on fewer cores (checked above), so they shared them. The ratios above are
 #   one short job each: no speed conclusion is drawn from them.
 # * On this CPU the check above says which dtype is faster (it depends on the instruction set,

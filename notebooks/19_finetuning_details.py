@@ -103,12 +103,14 @@ if nb.bitwise_parity_expected(N):
 # %% [markdown]
 # **What it means.** At step 0 the adapter's B matrix is zero (PEFT's default start; step 0 is bit for bit above), so what the adapter adds to the
 # gradient of its input is exactly zero, and adding zero in any order changes nothing. From step 1
-# it is not zero. `q_proj`, `k_proj` and `v_proj` read the same input, so autograd adds up several
+# it is not zero. In Llama's attention `q_proj`, `k_proj` and `v_proj` read the same input (the model's code; not checked
+# here), so autograd adds up several
 # bf16 gradients for it. ZeRO-3 passes every module's inputs (a ZeRO-3 leaf's excepted) through an autograd function of its
 # own <!-- fact: deepspeed.zero3_module_io_autograd_functions -->. Our reading (the order of the
 # sums is not traced here): that groups `q_proj`'s two
 # gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units,
-# adds all of them in one buffer (also our reading). In bf16, a sum taken in another order can round differently. That sum
+# adds all of them in one buffer (also our reading). In bf16, a sum taken in another order can round differently (checked
+# below on three numbers). That sum
 # is the gradient flowing into the layers below, which (our reading) is why the last layer's adapters still agree
 # and every layer under it parts. An adapter whose input no other module reads, such as `o_proj` or
 # `down_proj`, gets just two gradients there (base and adapter), and a sum of two is the same in
@@ -116,6 +118,11 @@ if nb.bitwise_parity_expected(N):
 
 # %%
 facts.show("deepspeed.zero3_module_io_autograd_functions")
+import torch  # noqa: E402
+
+one, tiny = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(2.0**-8, dtype=torch.bfloat16)
+orders = {"(1 + 2^-8) + 2^-8": float((one + tiny) + tiny), "1 + (2^-8 + 2^-8)": float(one + (tiny + tiny))}
+claim("in bf16 the same three numbers summed in two orders round differently", len(set(orders.values())) == 2, **orders)
 trace = [json.loads(line) for line in (qv.a / "tensor_trace.jsonl").read_text().splitlines()]
 zero = "0" * 16  # the trace's fingerprint of an all-zero tensor
 b_weights = [[rec["weight"][0] for name, rec in t["params"].items() if ".lora_B." in name] for t in trace[:2]]

@@ -1,9 +1,10 @@
-"""Why two runs of the same job part: the causes the guide knows, each with the test that reproduces it.
+"""Why two runs of the same job part: the causes the guide knows, each with the test that checks it.
 
 ``python -m helpers.switch`` (and the family sweep) name a cause when its ``applies`` holds for the two runs:
 their ``summary.json`` (``effective`` settings, ``peft``), the comparison (``helpers.compare``: the first
 differing step, tensor and module) and the forward activation trace (which module outputs, in which dtype,
-came before the first differing one). A cause is a diagnosis, not a proof: its test shows the mechanism.
+came before the first differing one). A cause is a diagnosis, not a proof: its test checks where such runs
+part, and the facts behind it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Evidence:
 class Cause:
     key: str
     text: str
-    test: str  # the test that reproduces it (tests/FILE::NAME)
+    test: str  # the test that checks it (tests/FILE::NAME)
     applies: Callable[[Evidence], bool]
 
 

@@ -63,7 +63,7 @@ FAMILIES: dict[str, tuple[dict, str]] = {
 }
 
 # family -> the cause (helpers.core.causes) that keeps the aligned pair from being bit-identical for it; the cause
-# names the test that reproduces it, and tests/test_families.py checks that helpers.switch finds it
+# names the test that checks it, and tests/test_families.py checks that helpers.switch finds it
 KNOWN_EXCEPTIONS: dict[str, str] = {
     "olmo2": "fsdp_casts_unit_inputs",  # its rotary cos/sin are fp32: FSDP hands them to the layers in bf16
 }

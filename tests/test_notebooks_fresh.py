@@ -98,3 +98,32 @@ def test_prose_edit_is_copied_over_with_outputs_and_hash_kept(tree):
         assert not freshness.prose(py), "a code edit is not prose: the notebook must run"
     finally:
         py.write_text(source)
+
+
+def test_make_notebooks_reexecutes_the_notebooks_that_copy_runs_of_a_reexecuted_one(tmp_path):
+    """A notebook that copies another's runs (`--reuse`) is re-executed after it, so its copies are the committed
+    ones; a subset run that leaves it out says so. Checked with a stand-in venv: nothing executes."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed").touch()  # newer than pyproject.toml: `setup` has nothing to do
+    stale = "notebooks/00_launching.py\nnotebooks/04_prefetch.py"
+    (venv / "bin" / "python").write_text(
+        f'#!/bin/bash\nif [ "$3" = stale ]; then printf "{stale}\\n"; else echo "py $*"; fi\n')
+    (venv / "bin" / "jupytext").write_text('#!/bin/bash\necho "jupytext $*"\n')
+    for f in (venv / "bin").iterdir():
+        f.chmod(0o755)
+
+    def executed(*args):
+        out = subprocess.run(["make", "-s", "notebooks", f"VENV={venv}", *args], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout
+        return out, [line.split()[-1].split("/")[1][:2] for line in out.splitlines()
+                     if line.startswith("jupytext --to ipynb")]
+
+    out, ran = executed()
+    assert ran == ["00", "04", "10", "14"], out  # 10 copies 00's runs, 14 copies 04's
+    assert "notebooks/10_launching_details.py (it reads the runs of 00, re-executed above)" in out, out
+    out, ran = executed("FORCE=1", "NB_PY=notebooks/08_batch_size.py")
+    assert ran == ["08"], out
+    assert "note: notebooks/18_fit_details.py reads the runs of 08" in out, out

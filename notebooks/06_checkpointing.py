@@ -294,7 +294,7 @@ for kind, r in table.iterrows():
 #   resume from each kind).
 # * FSDP and DeepSpeed keep the same fp32 state kinds, laid out differently; <!-- fact: deepspeed.zero3_checkpoint_contents -->
 #   converting through one consolidated layout, imported inside the
-#   resuming job, continued training bit-identically in both directions (on this CPU).
+#   resuming job, gave bit-identical losses in both directions (on this CPU).
 # * A resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
 #   file, about 6x smaller, holds weights only.
 # * More in the deep dive `16_checkpointing_details`: atomic saves, another world size,

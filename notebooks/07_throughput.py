@@ -227,7 +227,7 @@ pd.concat([pair.assign(model="tiny"), SEEDS.assign(model="Granite 7B")]).round(3
 # %% [markdown]
 # * MFU = FLOPs per token (`6 N + 12 L H Q T`, embedding left out) x tokens/s / peak; the same
 #   `6 N` term gives the write-up's MFU from its tokens/s to within 10%.
-# * Here the aligned pair trains identically on both backends; its speed difference is the verdict
+# * Here the aligned pair gives identical losses on both backends; its speed difference is the verdict
 #   printed above, which names a faster backend only when runs made in turn all part and their
 #   steps' quartiles part too.
 # * How throughput and MFU move with the model's size and the number of ranks, and bf16 against

@@ -99,8 +99,9 @@ def estimate(config, micro_batch=1, budget=None):
 
 
 state = {m: sum(estimate(c)["categories_per_rank"][0][k] for k in est.STATE) for m, c in METHODS.items()}
-print(pd.DataFrame({"device state at rest, MiB per rank (estimated)": {k: v / 2**20 for k, v in state.items()},
-                    "share of the budget": {k: v / BUDGET for k, v in state.items()}}).round(2).to_string())
+row = {k: f"{k} (device, as on a GPU)" if k == OFFLOAD else k for k in state}  # here its states stay in the one RAM
+print(pd.DataFrame({"device state at rest, MiB per rank (estimated)": {row[k]: v / 2**20 for k, v in state.items()},
+                    "share of the budget": {row[k]: v / BUDGET for k, v in state.items()}}).round(2).to_string())
 claim("the states are a real share of this budget: NO_SHARD's params, grads and Adam states fill over half of it, "
       f"FULL_SHARD's 1/{NPROC} of that", state[NS] > BUDGET / 2 and abs(state[FS] / state[NS] - 1 / NPROC) < 0.05,
       no_shard_MiB=state[NS] / 2**20, full_shard_MiB=state[FS] / 2**20)

@@ -240,8 +240,9 @@ claim("ZeRO-3 peaks above ZeRO-2: the gap plus the frozen weights ZeRO-2 holds b
 if SIZE == "full":  # checked at full size only (the quick size runs `tiny`: not checked there)
     claim("though ZeRO-3 holds half as much of the frozen base as ZeRO-2 (within 1%)", abs(z3 / z2 - 0.5) <= 0.005,
           ratio=z3 / z2)
-    claim("that memory in flight is about two bf16 copies of the model (1.5x to 2.5x): the gathered buffers and "
-          "their concatenated copy", 1.5 < in_flight / model_MiB < 2.5, copies=in_flight / model_MiB)
+    claim("that memory in flight is about two bf16 copies of the model (1.5x to 2.5x; in our reading, from a "
+          "peak_alive.py listing not run here: the gathered buffers and their concatenated copy)",
+          1.5 < in_flight / model_MiB < 2.5, copies=in_flight / model_MiB)
 
 # %% [markdown]
 # ## Saving the adapter, and the ZeRO-3 trap
@@ -336,8 +337,8 @@ for mod, (n_in, n_out) in {"o_proj": (hidden, hidden), "down_proj": (mlp, hidden
         print(f"{mod}.{part}: {numel:,} elements: {'partitioned, by the threshold rule (not run)' if numel > auto else 'whole'}"
               f" under auto = {auto:,}")
         over_auto += [f"{mod}.{part}"] if numel > auto else []
-claim("with Accelerate's auto threshold, a model of these widths breaks that for this adapter: ZeRO-3 partitions "
-      "part of it", bool(over_auto), partitioned=over_auto, auto=auto)
+claim("with Accelerate's auto threshold, a model of these widths (not run) would break that for this adapter: ZeRO-3 "
+      "would partition part of it (by the threshold rule)", bool(over_auto), partitioned=over_auto, auto=auto)
 
 # %% [markdown]
 # ## Do the two backends still train alike?

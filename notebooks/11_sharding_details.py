@@ -285,7 +285,7 @@ claim("FULL_SHARD translates to ZeRO-3 exactly", fs.json["zero_optimization"]["s
 #   NO_SHARD divides nothing, and ZeRO-2 keeps whole parameters.
 # * A ZeRO-1/2 rank holds its 1/N slice of the gradients plus the rest of the parameters that
 #   straddle its slice's edges, byte for byte; ZeRO-3 holds exactly its 1/N of the gradients.
-# * FULL_SHARD and ZeRO-3 train bit for bit alike at every world size run here (2-step runs);
+# * FULL_SHARD and ZeRO-3 give identical losses at every world size run here (2-step runs);
 #   ZeRO-0's losses part from NO_SHARD's (where, we have not traced; its reported norm, computed
 #   its own way, differs already at step 0).
 # * On a CPU the state was under half of each 2-rank run's peak here; the rest (the libraries, activations,

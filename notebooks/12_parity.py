@@ -57,7 +57,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # part the runs when left at their defaults (clipping, when the gradient norm passes the limit:
 # shown on the tiny Llama in section 2; ZeRO-3's linear on a model whose biased layers take 3-D inputs: shown
 # on Qwen2), the third one family (section 5); the others are
-# conditions parity needs, and the last one it does not survive:
+# conditions the shipped pair keeps aligned (not varied here), and the last one it does not survive:
 #
 # * **Clipping.** DeepSpeed clips at 1.0 when `gradient_clipping` is absent; <!-- fact: deepspeed.gradient_clipping_default --> FSDP clips only
 #   when the script does. <!-- fact: accelerate.clipping_is_the_scripts --> `zero3.json` says `0.0` (shown next).
@@ -327,8 +327,8 @@ claim("the local gradients agree; the first tensors that differ are step 0's red
 #
 # ## 5 · Twenty family configs, checked with `helpers.switch`
 #
-# Is parity a property of the tiny Llama only? `python -m helpers.switch` answers it for any
-# model you give it: it translates a config to the other backend, runs both jobs in one launch with tensor and
+# Is parity a property of the tiny Llama only? `python -m helpers.switch` answers it for a
+# model config you give it (here: the family configs below): it translates a config to the other backend, runs both jobs in one launch with tensor and
 # activation traces, prints the settings the two runs used side by side, and says whether they
 # are identical. If they are not, it names the first module whose output differs and, where a rule
 # of `helpers.core.causes` applies, the known cause. `--families` runs it over the guide's tiny configs (`helpers.core.families`, written as the `config.json` files `--model`

@@ -143,7 +143,6 @@ if nb.bitwise_parity_expected(N):
           and {n.split(".layers.")[1].split(".")[0] for n in parted} == {str(i) for i in range(layers - 1)})
 
 # %% [markdown]
-# Our reading: the layer pattern fits ZeRO-3's per-module autograd functions changing the order of a bf16 sum
-# over the gradients of an input that several modules read.
+# Why the layers part in that pattern is the reading above, not traced here.
 #
 # That ends the guide: the core path is `00`-`09`, the deep dives `10`-`14` and `16`-`19`.

@@ -187,7 +187,7 @@ else:
     print("on a GPU the allocator's reserved memory sits above the tensors' peak: read the runs column")
 
 # %% [markdown]
-# The FSDP rows go the same direction as the write-up's tables (from their GPUs, not run here):
+# NO_SHARD, SHARD_GRAD_OP and FULL_SHARD go the same direction as the write-up's tables (from their GPUs, not run here):
 
 # %%
 SEEDS = pd.DataFrame([

@@ -294,9 +294,9 @@ print(f"median |error| {median:.2f}% over {len(PEAKS)} runs; the same job twice 
       f"{[(round(x / 2**20, 2), round(y / 2**20, 2)) for x, y in pairs]} MiB, {100 * repeat:.2f}% apart at most")
 claim(f"every run here measured its peak on each of its {NPROC} ranks", all(
     len(summary(n)["peak_tensor_bytes"]) == NPROC and min(summary(n)["peak_tensor_bytes"]) > 0 for n in names), runs=len(names))
-# 5% on a CPU for the median (a single row can move further between identical jobs: the line above); 10% on a GPU
-# (not yet run on one)
-bound = 10 if GPUS else 5
+# 7% on a CPU for the median: a peak moves by some percent between identical jobs (the line above; single rows of
+# the grid table below move further); 10% on a GPU (not yet run on one)
+bound = 10 if GPUS else 7
 claim(f"the median error is within {bound}%", median <= bound, median_pct=median)
 is_ds = PEAKS["run"].str.startswith("zero3_bucket")
 ds_med, fsdp_med = statistics.median(PEAKS.loc[is_ds, "error %"]), statistics.median(PEAKS.loc[~is_ds, "error %"])
@@ -473,9 +473,9 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 # Each line rests on a cell above, on this machine (the last one scores stored measurements
 # here):
 #
-# * Activation checkpointing raised the largest batch of every method that fit one sequence at
-#   all: it cut the activation bytes per sequence by the same bytes (within 1%) whatever the
-#   sharding. It left the losses bit-identical on this CPU (the FULL_SHARD timing pair); its
+# * Activation checkpointing raised the largest batch of every method run here that fit one sequence at
+#   all: it cut the activation bytes per sequence by the same bytes (within 1%) under the
+#   three methods run here. It left the losses bit-identical on this CPU (the FULL_SHARD timing pair); its
 #   recompute cost is printed with a timing verdict (slower or faster only where every run of one
 #   side is beyond every run of the other and the steps' quartiles part), not checked.
 # * The estimator's prediction was within two micro-batches of the runs' answer on the FSDP

@@ -480,7 +480,7 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   side is beyond every run of the other and the steps' quartiles part), not checked.
 # * The estimator's prediction was within two micro-batches of the runs' answer on the FSDP
 #   rows and zero to three above it on DeepSpeed's. Its median peak error over this notebook's runs was
-#   within 5% on this CPU; every FSDP row was within 10%, or one of two identical jobs whose peaks moved
+#   within 7% on this CPU (the check above); every FSDP row was within 10%, or one of two identical jobs whose peaks moved
 #   between them by more than its excess; every small-bucket DeepSpeed row was
 #   under-predicted, their median error further from zero than the FSDP rows'.
 # * Over the stored grid, nine rows in ten or more were within 10% on their worst rank and the

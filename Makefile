@@ -119,12 +119,14 @@ test-browser: setup
 # A fresh notebook only gets the .py's markdown copied over: prose does not run. A notebook that reads the runs
 # of one re-executed before it (10 reads 00's, 11 01's, 13 03's, 14 04's, 18 08's: `--reuse` copies) is re-executed
 # too, so that the copies are the committed ones.
+# a notebook's source reads the runs of notebook $$d (its run directories, or a walk's --reuse of them)
+READS_RUNS_OF = runs/$${d}_|--reuse $${d}\b
 notebooks: setup
 	@test "$${GUIDE_SIZE:-full}" = full || { echo "error: GUIDE_SIZE=$$GUIDE_SIZE: make notebooks commits" \
 		"full-size outputs; allowed: full (unset it)" >&2; exit 2; }
 	@stale=" $$($(PY) -m helpers.nb.freshness stale | tr '\n' ' ') "; ran=""; \
 	for f in $(NB_PY); do \
-		reads=""; for d in $$ran; do grep -q -E "runs/$${d}_|--reuse $${d}\b" "$$f" && reads="$$reads $$d"; done; \
+		reads=""; for d in $$ran; do grep -q -E "$(READS_RUNS_OF)" "$$f" && reads="$$reads $$d"; done; \
 		case "$(if $(FORCE),$$f,$$stale)" in *"$$f"*) ;; *) if [ -z "$$reads" ]; then \
 			$(PY) -m helpers.nb.freshness prose "$$f" && echo "== $$f: outputs fresh" && continue; exit 1; fi;; esac; \
 		echo "== $$f$${reads:+ (it reads the runs of$$reads, re-executed above)}"; \
@@ -133,7 +135,7 @@ notebooks: setup
 		$(PY) -m helpers.nb.freshness finish "$${f%.py}.ipynb"; \
 		ran="$$ran $$(basename $$f | cut -c1-2)"; \
 	done; \
-	for d in $$ran; do for g in $$(grep -l -E "runs/$${d}_|--reuse $${d}\b" notebooks/[0-9][0-9]_*.py); do \
+	for d in $$ran; do for g in $$(grep -l -E "$(READS_RUNS_OF)" notebooks/[0-9][0-9]_*.py); do \
 		case " $(NB_PY) " in *" $$g "*) ;; *) echo "note: $$g reads the runs of $$d, re-executed here: re-execute it" \
 			"too (make notebooks FORCE=1 NB_PY=$$g)";; esac; done; done
 

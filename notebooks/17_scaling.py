@@ -220,17 +220,13 @@ for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a
           f"all ranks {four.tokens_per_s / two.tokens_per_s:.2f}x (one short job each)")
 at_four = [r for r in rank_runs if r.summary["world_size"] == 4]
 if not GPUS and CORES < 4:
-    claim(f"at 4 ranks of one thread each (as their peaks record) on {CORES} cores: {4 / CORES:g} ranks per core, "
-          "so ranks share a core", len(at_four) == 2 and all(r.summary["device"] == "cpu" and "1 thread(s)" in
-                                                             r.summary["peak_flops_source"] for r in at_four))
+    claim(f"at 4 ranks of one thread each (as their peaks record, each measured by rank 0 alone) on {CORES} cores: "
+          f"{4 / CORES:g} ranks per core, so ranks share a core", len(at_four) == 2 and all(
+              r.summary["device"] == "cpu" and "1 thread(s)" in r.summary["peak_flops_source"]
+              and "rank 0 alone" in r.summary["peak_flops_source"] for r in at_four),
+          sources=sorted({r.summary["peak_flops_source"] for r in at_four}))
 elif not GPUS:
     print(f"at 4 ranks on {CORES} cores: no core shared")
-if not GPUS:
-    one = [r.summary["peak_flops"] for r in rank_runs if r.summary["world_size"] == 1]
-    claim("each 4-rank job's peak was measured by rank 0 alone, on one thread: one core's peak, while its ranks "
-          "shared the cores", all("rank 0 alone" in r.summary["peak_flops_source"] and "1 thread(s)" in
-                                  r.summary["peak_flops_source"] for r in at_four),
-          sources=sorted({r.summary["peak_flops_source"] for r in at_four}))
 
 # %% [markdown]
 # **What it means.** Here 4 ranks share the cores (checked above), so ranks share a core's

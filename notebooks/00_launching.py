@@ -18,9 +18,9 @@
 #
 # **The question.** You have a training job under PyTorch FSDP and want to move it to
 # DeepSpeed ZeRO (or back). Before anything else: can the two backends train *the same
-# model on the same data* and produce *the same losses*? If they can, a difference you
-# see later in memory or checkpoints, with the same settings, belongs to the backend, not to the training; a speed
-# difference, only once repeated step times show it above this machine's noise (notebook 07).
+# model on the same data* and produce *the same losses*? If they can, later notebooks compare
+# memory and checkpoints of jobs that trained alike; a speed difference counts only once
+# repeated step times show it above this machine's noise (notebook 07).
 #
 # **What we run.** Two real distributed jobs, launched with `torchrun` from `%%bash` cells:
 #
@@ -165,7 +165,9 @@ fig.tight_layout()
 # **What it means.** The curves lie on top of each other and the difference is zero at
 # every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
 # (bf16 module, fp32 master partitions) do the same arithmetic (our reading of the identical
-# losses; the deep dive `12_parity` traces the tensors of pairs that part). <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
+# losses, and of the same dtype at each stage of the computation the jobs probe, checked below: what
+# each stores between steps differs, as printed above; the deep dive
+# `12_parity` traces the tensors of pairs that part). <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 # The cell below checks
 # this, so the claim fails loudly if it ever stops being true. (Measured on the CPU with
 # gloo. On a GPU these jobs run without `--deterministic`, so the cell checks that the losses
@@ -183,6 +185,10 @@ exact = nb.bitwise_parity_expected(NPROC)
 same = len(losses) == STEPS and (losses == ds.summary["losses"] if exact else gap < 1e-2)
 agree = "give identical losses" if exact else "losses agree within 1e-2"
 claim(f"FSDP and ZeRO-3 {agree} at all {STEPS} steps", same, max_gap=gap)
+STAGES = ("forward_weight", "grad_before_reduce", "reduce_dtype", "optimizer_param", "optimizer_grad", "optimizer_states")
+claim("the jobs' probes record the same dtype at each of these six stages of the computation, and FSDP's fp32 shard "
+      "is what ZeRO-3 keeps as its master", all(fd[k] == dd[k] for k in STAGES) and fd["stored_param"] == dd["master_param"] == "fp32",
+      **{k: fd[k] for k in STAGES}, fsdp_shard=fd["stored_param"], ds_master=dd["master_param"])
 if SIZE == "full":  # 40 steps: past ln 97, the loss of a uniform guess among the 97 token ids the data uses
     claim("the model learns: its final loss is over 1 below ln 97, a uniform guess among the data's 97 token ids",
           fsdp.summary["final_loss"] <
@@ -192,13 +198,15 @@ else:
           losses[0] - 0.5, first=losses[0], final=fsdp.summary["final_loss"])
 rises = [i for i in range(1, len(losses)) if losses[i] > losses[i - 1] + 0.1]
 b = rises[0] if rises else 1
-claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above step {b - 1}, step {b + 1} is back within "
-      f"0.05 of step {b - 1}", len(rises) == 1 and b + 1 < len(losses) and abs(losses[b + 1] - losses[b - 1]) < 0.05, rises=rises, losses=losses[b - 1:b + 2])
+if NPROC == 2 and not GPUS:  # measured on CPU/gloo at 2 ranks (notebook 10 ties it to the rate there)
+    claim(f"the loss curves have one one-step bump: step {b} rises over 0.1 above step {b - 1}, step {b + 1} is back "
+          f"within 0.05 of step {b - 1}", len(rises) == 1 and b + 1 < len(losses)
+          and abs(losses[b + 1] - losses[b - 1]) < 0.05, rises=rises, losses=losses[b - 1:b + 2])
 
 # %% [markdown]
 # ## When the config is wrong
 #
-# A typo is refused before the job starts (no run directory, nothing else printed), with one line naming the file, the key and
+# A typo in a key is refused before the job starts (no run directory, nothing else printed), with one line naming the file, the key and
 # what was meant. (Under `torchrun` the launcher then adds its own failure report; not run here.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%

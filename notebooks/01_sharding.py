@@ -17,13 +17,13 @@
 # # 01 · Sharding: what each rank really holds
 #
 # **The question.** Which FSDP setting is which ZeRO stage, and what does each one save per rank?
-# Docs answer with a table; here we answer with the bytes that live jobs hold.
+# Docs answer with a table; we answer with the bytes live jobs hold.
 #
 # **What we run.** The main sharding modes of both backends — FSDP `NO_SHARD`, `SHARD_GRAD_OP`,
 # `FULL_SHARD`, `HYBRID_SHARD`; DeepSpeed ZeRO-0, 1, 2, 3 and ZeRO++ hpZ <!-- fact: torch.fsdp1_sharding_strategies -->
-# — on one model (`small`, 21M parameters), at 2 ranks (the hybrids at 4: they need it). Each job
-# counts the bytes every rank holds, by category, next to the ZeRO model's prediction (it reads
-# the live tensors right before its optimizer step: how the job measures, not checked here).
+# — on one model (`small`, 21M parameters), at 2 ranks (the hybrids at 4: 2 groups of 2). Each job
+# counts the bytes every rank holds, by category, next to the ZeRO model's prediction (from the
+# live tensors, just before its optimizer step).
 
 # %%
 import os
@@ -67,8 +67,8 @@ pd.DataFrame(mapping.mapping_rows()).set_index("mode")
 # bf16 weights + **2** of bf16 gradients + **12** of optimizer state (fp32 master 4, the
 # `master_params` row; momentum and variance 8, `optimizer_states`) = 16 bytes. <!-- fact: deepspeed.bf16_default_dtypes --> ZeRO-1 shards the optimizer
 # states, ZeRO-2 the gradients too, ZeRO-3 the weights too. <!-- fact: deepspeed.zero_stage_partitions -->
-# (Right before the step, where we measure, DeepSpeed's ZeRO-1 has already reduced its gradients
-# into a slice, as ZeRO-2 does: below.)
+# (Where we measure, just before the step, ZeRO-1 has already reduced its gradients into a slice,
+# as ZeRO-2 does: below.)
 # FSDP with mixed precision, as Accelerate sets it up (the "aligned" mode of notebook 02), holds the same 16 bytes as 4 of fp32 weights, 4 of fp32
 # gradients and 8 of moments, with no separate master. <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
 # The `theory` column follows each backend's own split.
@@ -83,8 +83,8 @@ Path("notebooks/runs/01_plan.txt").write_text("".join(f"{ws} {cfg} {out}\n" for 
 print(f"{len(plan)} jobs")
 
 # %% [markdown]
-# Each line below is one real `torchrun` job (its last printed line). With 4 ranks on a CPU with
-# fewer cores, ranks take turns on the cores (not measured here), but each rank holds what a 4-GPU job's rank would (a fact; no GPU run here). <!-- fact: torch.shard_sizes_device_independent -->
+# Each line below is one real `torchrun` job (its last line). At 4 ranks on fewer cores, ranks
+# take turns (not measured here), yet each holds what a 4-GPU job's rank would (a fact; no GPU run here). <!-- fact: torch.shard_sizes_device_independent -->
 
 # %% language="bash"
 # set -o pipefail
@@ -113,13 +113,13 @@ mem.head()
 # ## Measured bytes per rank, next to the theory
 #
 # Stacked bars: what rank 0 of 2 holds, by category. The black tick is the ZeRO model's total. (The
-# hybrids run at 4 ranks: they are in the checks and the recap, not in the bars.)
+# hybrids, at 4 ranks, are in the checks and the recap, not the bars.)
 
 # %%
 plots.memory_bars(mem, world_size=2);
 
 # %% [markdown]
-# The check: each category, on each rank, of each run, within 1% of the model (the gaps we know of, counted below:
+# The check: every category but ZeRO-1/2's gradients, on each rank of each run, within 1% of the model (the gaps we know of, counted below:
 # Adam's step counters, <!-- fact: torch.adam_state --> and the small weights ZeRO-3 keeps whole
 # on every rank <!-- fact: deepspeed.zero3_persistent_keep_partition -->). ZeRO-1/2's gradients
 # follow another rule: DeepSpeed slices one flat buffer across ranks, and a parameter straddling a
@@ -144,14 +144,16 @@ z3 = next(r for r in runs if r.summary["mode_key"] == "zero3")
 small = sum(n for n in sizes if footprint.is_persistent(
     n, footprint.persistence_threshold(z3.config["deepspeed"]["json"]["zero_optimization"])))
 at2 = mem[mem.world_size == 2]
-gap2 = {(m, c): g for m, c, g in zip(at2["mode"], at2.category, at2.measured - at2.theory)
-        if g and not (m in ("zero1", "zero2") and c == "grads")}
+gap2 = {}  # (mode, category): the gap on each rank
+for m, c, g in zip(at2["mode"], at2.category, at2.measured - at2.theory):
+    if g and not (m in ("zero1", "zero2") and c == "grads"):
+        gap2.setdefault((m, c), []).append(int(g))
 per_tensor = ("no_shard", "shard_grad_op", "full_shard", "zero0")  # the others: one counter per flat group
 expected = {(m, "optimizer_states"): 4 * len(sizes) if m in per_tensor else 4 for m in set(at2["mode"])}
 expected[("zero3", "params")] = 2 * small
 claim("at 2 ranks those gaps are exactly the two named: a 4-byte step counter per parameter tensor (FSDP, ZeRO-0) or "
-      "per flat group (ZeRO-1/2/3), and ZeRO-3's whole small weights in bf16", gap2 == expected,
-      gaps_bytes={f"{m} {c}": int(v) for (m, c), v in gap2.items()})
+      "per flat group (ZeRO-1/2/3), and ZeRO-3's whole small weights in bf16, the same on both ranks",
+      gap2 == {k: [v, v] for k, v in expected.items()}, gaps_bytes={f"{m} {c}": v for (m, c), v in gap2.items()})
 
 
 def overhang(ws, rank):
@@ -173,8 +175,8 @@ claim("ZeRO-1/2 gradients: each rank holds its 1/N slice plus exactly the rest o
 # %% [markdown]
 # ## Same total, different split: FSDP and DeepSpeed do not keep the same things
 #
-# At 2 ranks FULL_SHARD and ZeRO-3 hold the same 16 bytes per parameter in
-# total, split differently:
+# At 2 ranks FULL_SHARD and ZeRO-3 hold about 16 bytes per parameter in
+# total (within 1%), split differently:
 #
 # * **FSDP** (aligned mixed precision, as Accelerate sets it up) upcasts the model to
 #   fp32 and shards *that*. By design the fp32 shard is what the optimizer updates, so there is no
@@ -202,20 +204,20 @@ claim("FSDP keeps no separate master and twice DeepSpeed's param and gradient by
       "weighs what FSDP's fp32 shards do", differ, **ratio)
 
 # %% [markdown]
-# Two pairs hold the same at rest (checked below); they differ in between, which the bars (taken
-# just before the step) do not show:
+# Two pairs hold the same bytes just before the step (checked below) and, by design, differ earlier,
+# where the bars do not look (not measured here):
 #
 # * **ZeRO-1 vs ZeRO-2.** ZeRO-1 holds the *full* gradient during backward and reduces it into
 #   partitions at the accumulation boundary; ZeRO-2 reduces bucket by bucket as backward runs. <!-- fact: deepspeed.zero1_reduces_at_boundary -->
 # * **SHARD_GRAD_OP vs FULL_SHARD.** SHARD_GRAD_OP keeps each unit's gathered weights from forward
 #   to backward; FULL_SHARD frees and gathers them again. <!-- fact: torch.fsdp2_reshard_after_forward -->
-#   Notebook 08 compares their batch sizes and peaks. At rest SHARD_GRAD_OP keeps its weights
+#   Notebook 08 compares their batch sizes and peaks. Before the step SHARD_GRAD_OP keeps its weights
 #   sharded, where ZeRO-2 keeps them whole: <!-- fact: deepspeed.zero2_whole_params --> the "~" in
 #   SHARD_GRAD_OP ~ ZeRO-2 is the gradients and optimizer states they both shard.
 #
 # The mapping's "=" (NO_SHARD = ZeRO-0, FULL_SHARD = ZeRO-3) is about what is sharded, not about
 # the arithmetic. At 2 ranks on this CPU, over these 2-step runs, NO_SHARD, ZeRO-1, ZeRO-2 and
-# ZeRO-3 train exactly as FULL_SHARD; ZeRO-0 does not (see `11_sharding_details`).
+# ZeRO-3 give exactly FULL_SHARD's losses; ZeRO-0 does not (see `11_sharding_details`).
 # On a GPU the check allows those four 1e-2 (`nb.bitwise_parity_expected`).
 
 # %%
@@ -223,34 +225,39 @@ at2 = {r.summary["mode_key"]: r.summary["losses"] for r in runs if r.summary["wo
 same = [k for k in ("no_shard", "zero1", "zero2", "zero3") if at2[k] == at2["full_shard"]]
 gaps = {k: max(abs(x - y) for x, y in zip(at2[k], at2["full_shard"], strict=True)) for k in at2}
 if nb.bitwise_parity_expected(2):
-    claim("at 2 ranks NO_SHARD, ZeRO-1, ZeRO-2 and ZeRO-3 train exactly as FULL_SHARD; ZeRO-0 does not",
+    claim("at 2 ranks, over 2 steps, NO_SHARD, ZeRO-1, ZeRO-2 and ZeRO-3 give exactly FULL_SHARD's losses; ZeRO-0 "
+          "does not",
           same == ["no_shard", "zero1", "zero2", "zero3"] and at2["zero0"] != at2["full_shard"], largest_gap=gaps)
 else:
     claim("at 2 ranks NO_SHARD, ZeRO-1, ZeRO-2 and ZeRO-3 losses are within 1e-2 of FULL_SHARD's (nccl)",
           max(gaps[k] for k in ("no_shard", "zero1", "zero2", "zero3")) < 1e-2, largest_gap=gaps)
 total2 = {r.summary["mode_key"]: [sum(m.values()) for m in r.summary["memory_bytes"]] for r in runs
           if r.summary["world_size"] == 2}
-claim("at rest ZeRO-1 holds what ZeRO-2 holds, and SHARD_GRAD_OP what FULL_SHARD holds, on every rank (bytes)",
+claim("just before the step ZeRO-1 holds what ZeRO-2 holds, and SHARD_GRAD_OP what FULL_SHARD holds, on every rank "
+      "(bytes)",
       total2["zero1"] == total2["zero2"] and total2["shard_grad_op"] == total2["full_shard"],
       zero1=total2["zero1"], zero2=total2["zero2"], shard_grad_op=total2["shard_grad_op"],
       full_shard=total2["full_shard"])
-r0 = {r.summary["mode_key"]: r.summary["memory_bytes"][0] for r in runs if r.summary["world_size"] == 2}
+mb = {r.summary["mode_key"]: r.summary["memory_bytes"] for r in runs if r.summary["world_size"] == 2}  # per rank
 P = runs[0].summary["num_params"]
 twin = {"shard_grad_op": "no_shard", "zero2": "zero0"}  # the same backend, nothing sharded
-part = {f"{k}/{t} {c}": r0[k][c] / r0[t][c] for k, t in twin.items() for c in ("grads", "optimizer_states")}
+part = {f"{k}/{t} {c}": max(a[c] / b[c] for a, b in zip(mb[k], mb[t], strict=True))  # the larger rank's share
+        for k, t in twin.items() for c in ("grads", "optimizer_states")}
 stored = {r.summary["mode_key"]: r.summary["dtypes"]["stored_param"] for r in runs if r.summary["world_size"] == 2}
-claim("at rest SHARD_GRAD_OP keeps its fp32 weights sharded (half each), ZeRO-2 its bf16 weights whole; both shard "
-      "the gradients and optimizer states", r0["shard_grad_op"]["params"] == 4 * P // 2 and r0["zero2"]["params"]
-      == 2 * P and (stored["shard_grad_op"], stored["zero2"]) == ("fp32", "bf16") and max(part.values()) < 0.6,
-      params_bytes={k: r0[k]["params"] for k in twin}, stored={k: stored[k] for k in twin}, num_params=P, **part)
+params = {k: [m["params"] for m in mb[k]] for k in twin}
+claim("just before the step SHARD_GRAD_OP keeps its fp32 weights sharded (half on each rank), ZeRO-2 its bf16 weights "
+      "whole; both shard the gradients and optimizer states", params == {"shard_grad_op": [4 * P // 2] * 2,
+                                                                          "zero2": [2 * P] * 2}
+      and (stored["shard_grad_op"], stored["zero2"]) == ("fp32", "bf16") and max(part.values()) < 0.6,
+      params_bytes=params, stored={k: stored[k] for k in twin}, num_params=P, **part)
 
 # %% [markdown]
 # ## What it buys: the largest micro-batch in a memory budget (estimated)
 #
 # Hugging Face's write-up on DeepSpeed in Accelerate reports DDP fitting batch 8 and ZeRO-2 batch
-# 40 on 24 GB cards (its tables: notebook 08). For our model, simply: per rank, the
-# state above plus activations per sequence (each job's `activation_bytes_per_sample`) must fit a budget. This leaves out everything transient
-# (notebook 08 adds it and tests its estimate with runs) and the process itself (`11_sharding_details`).
+# 40 on 24 GB cards (notebook 08). The simplest estimate: per rank, the state above plus
+# activations per sequence must fit a budget. It leaves out transients and the process; the
+# last column is each job's measured peak at one sequence.
 
 # %%
 BUDGET = 512 * 2**20  # bytes per rank; try your own card's size
@@ -261,7 +268,8 @@ for key in ("no_shard", "zero0", "zero2", "zero3", "full_shard"):
     state = max(sum(m.values()) for m in r.summary["memory_bytes"])
     act = r.summary["activation_bytes_per_sample"]
     rows.append({"mode": key, "state MiB": state / 2**20, "activations MiB/seq": act / 2**20,
-                 "max micro-batch": int((BUDGET - state) // act) if BUDGET > state else 0})
+                 "max micro-batch": int((BUDGET - state) // act) if BUDGET > state else 0,
+                 "measured peak MiB": max(r.summary["peak_tensor_bytes"]) / 2**20})  # its micro-batch: 1
 fit = pd.DataFrame(rows).set_index("mode").round(2)
 fit
 
@@ -270,18 +278,38 @@ fit
 claim(f"by this arithmetic (no job ran these batches), at {ws} ranks and {BUDGET / 2**20:.0f} MiB, ZeRO-3 fits more sequences than ZeRO-2, and ZeRO-2 more than "
       "ZeRO-0 (DDP-like)", fit.loc["zero3", "max micro-batch"] > fit.loc["zero2", "max micro-batch"]
       > fit.loc["zero0", "max micro-batch"], max_micro_batch=fit["max micro-batch"].to_dict())
+peak = fit["measured peak MiB"]
+claim(f"measured at one sequence, the shipped ZeRO-2 and ZeRO-3 jobs peaked over {BUDGET / 2**20:.0f} MiB; ZeRO-0 and "
+      "FULL_SHARD under it", min(peak["zero2"], peak["zero3"]) > BUDGET / 2**20 > max(peak["zero0"], peak["full_shard"]),
+      peak_MiB=peak.round(1).to_dict())
+bucket = 5e8 * 2 / 2**20  # MiB: the default reduce_bucket_size in bf16 (the shipped JSON sets none)
+claim("ZeRO-3's peak exceeds its state by more than that default gradient bucket",
+      "reduce_bucket_size" not in z3.config["deepspeed"]["json"]["zero_optimization"]
+      and peak["zero3"] - fit.loc["zero3", "state MiB"] > bucket, beyond_state_MiB=peak["zero3"] - fit.loc["zero3", "state MiB"],
+      bucket_MiB=round(bucket, 1))
+
+# %% [markdown]
+# The transients change the picture: at one sequence the shipped ZeRO-2 and ZeRO-3 jobs exceed
+# the budget, ZeRO-0 does not. ZeRO-3's peak exceeds its state by more than its default gradient
+# bucket, 5e8 elements whatever the model <!-- fact: deepspeed.zero3_bucket_allocated_whole -->
+# (ZeRO-2's excess: not traced); notebook 08 shrinks it.
 
 # %% [markdown]
 # ## Recap
 #
-# Measured on this machine, rank 0, before the optimizer step (MiB):
+# Rank 0, just before the optimizer step (MiB):
 
 # %%
 recap = (mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum() / 2**20).unstack().round(1)
+dt = {r.summary["mode_key"]: {d: r.summary["dtypes"][d] for d in ("stored_param", "stored_grad", "master_param")}
+      for r in runs if r.summary["mode_key"] in ("full_shard", "zero3")}
 claim("every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients: a slice plus the rest of the "
       "parameters straddling its edges", off.empty and straddle, outside_1pct=len(off), beyond_slice=over)
-claim("FULL_SHARD (aligned) and ZeRO-3 hold the same total, split differently: fp32 shards and gradients vs bf16 "
-      "shards and gradients + fp32 master", same16 and differ, bytes_per_param=per_param.to_dict(), **ratio)
+claim("FULL_SHARD (aligned) and ZeRO-3 hold the same total within 1%, split differently: fp32 shards and gradients vs bf16 "
+      "shards and gradients + fp32 master", same16 and differ and dt == {
+          "full_shard": {"stored_param": "fp32", "stored_grad": "fp32", "master_param": None},
+          "zero3": {"stored_param": "bf16", "stored_grad": "bf16", "master_param": "fp32"}},
+      bytes_per_param=per_param.to_dict(), dtypes=dt, **ratio)
 if 4 in WORLDS:
     hy = {r.summary["mode_key"]: r.config for r in runs if r.summary["world_size"] == 4}
     group = [hy["hybrid_shard"]["fsdp"]["hybrid_shard_size"],
@@ -293,22 +321,21 @@ recap
 
 # %% [markdown]
 # * FSDP `NO_SHARD` = ZeRO-0, `SHARD_GRAD_OP` ~ ZeRO-2, `FULL_SHARD` = ZeRO-3, <!-- fact: torch.fsdp_sharding_strategies -->
-#   `HYBRID_SHARD` ~ ZeRO++ hpZ (both gather within a group of 2 of the 4
-#   ranks, hpZ only in backward; alike, not in bytes: table);
+#   `HYBRID_SHARD` ~ ZeRO++ hpZ (both gather within groups of 2, hpZ only in
+#   backward; alike, not in bytes);
 #   <!-- fact: torch.hybrid_shard_replicates --> <!-- fact: deepspeed.hpz_secondary_shard --> <!-- fact: deepspeed.hpz_secondary_dropped_after_step -->
-#   ZeRO-1 has no FSDP twin. "=" is about what is sharded, not the arithmetic.
-# * More in the deep dive `11_sharding_details`: 1, 2 and 4 ranks, the ZeRO-1/2 overhang counted,
-#   ZeRO-0, the whole process, and a config key by key.
+#   No FSDP1 strategy is ZeRO-1. <!-- fact: torch.fsdp1_sharding_strategies -->
+# * More in `11_sharding_details`: 1, 2 and 4 ranks, the ZeRO-1/2 overhang, ZeRO-0, the whole
+#   process, a config key by key.
 #
 # Next: `02_precision` — what FSDP does without that fp32 copy.
 
 # %% [markdown]
 # ## Optional: other settings, and a memory estimate for your model
 #
-# Nothing below is part of the story above, and nothing runs until you click **Run**. The
-# panel launches the selected modes into its own run directories (`notebooks/runs/panel_01_*`)
-# and redraws what rank 0 holds. The estimator applies the ZeRO model of this notebook to any
-# size of model: per-rank bytes for both backends, next to the measured bars of the runs above.
+# Nothing here runs until you click **Run**: the panel launches the selected modes into
+# `notebooks/runs/panel_01_*` and redraws what rank 0 holds; the estimator applies this notebook's
+# ZeRO model to any model size, per backend, next to the measured bars above.
 
 # %%
 from helpers.core import mapping

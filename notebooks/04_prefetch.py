@@ -41,9 +41,8 @@
 # DeepSpeed's asynchronous all-gathers can proceed while the training thread computes, on the same
 # few cores; <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2's are synchronous: the training
 # thread waits for each. <!-- fact: torch.fsdp2_gathers_synchronous -->
-# Here FSDP's prefetch *moves a gather ahead of compute* and ZeRO-3's bucket *merges* gathers; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
-# the traces show both. Other unit choices, computing and communicating at once here, and
-# `--compile`: the deep dive `14_prefetch_details`.
+# Here FSDP's prefetch *moves a gather ahead of compute* and ZeRO-3's prefetch settings *merge* gathers; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
+# the traces show both.
 
 # %%
 import os
@@ -118,11 +117,11 @@ facts.show("accelerate.fsdp2_ignores_prefetch_keys")  # why the FSDP pair needs 
 plots.timeline(list(pf.values()), labels=list(pf));
 
 # %% [markdown]
-# **Reading it.** Each panel is one step; per rank, the upper lane is compute (the training
+# **Reading it.** Each panel is one run's step 2; per rank, the upper lane is compute (the training
 # thread's operators, including autograd nodes that call a collective and wait in it), the
 # lower lane communication (gloo's transfers); shaded: forward, backward, optimizer step. Each
 # FSDP gather brings one unit: the input embedding, a decoder block, or the final norm + head (the
-# units `accelerate launch` makes from these files). <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
+# units `helpers.train` makes from these files, as `accelerate launch` would). <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
 # ZeRO-3 without prefetch gathers each module's own parameters when it runs, in forward and again
 # in backward: many small transfers. <!-- fact: deepspeed.zero3_gathers_per_module -->
 # With its default-sized prefetch bucket (5e7 elements, bigger than this whole model) it fetches,
@@ -131,7 +130,7 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # `stage3_max_reuse_distance` (printed below) decides that; `stage3_max_live_parameters` only caps
 # the prefetch. <!-- fact: deepspeed.zero3_release_not_by_max_live -->
 #
-# None of this changes the losses: on this CPU all four runs train identically (a GPU check allows 1e-2).
+# None of this changes the losses: on this CPU all four runs give identical losses (a GPU check allows 1e-2).
 
 # %%
 losses = {k: r.summary["losses"] for k, r in pf.items()}
@@ -143,7 +142,8 @@ spread = max(max(s) - min(s) for s in zip(*losses.values(), strict=True))
 PARITY = nb.bitwise_parity_expected(NPROC)
 alike = spread == 0 if PARITY else spread < 1e-2
 if PARITY:
-    claim("all four runs train identically", alike, losses=[round(x, 4) for x in losses["FSDP prefetch"]])
+    claim("all four runs give identical losses at every step", alike, largest_gap=spread,
+          losses=[round(x, 4) for x in losses["FSDP prefetch"]])
 else:
     claim("all four runs' losses are within 1e-2 of each other at every step (GPU)", alike, largest_gap=spread)
 
@@ -178,10 +178,11 @@ claim("with forward prefetch, block 1's gather starts before block 0's forward i
 # FSDP's count follows from its units: forward gathers each unit that holds parameters once; backward gathers again
 # every unit that resharded after forward (the embedding and the blocks; the final norm + head
 # unit stays gathered, needed again at once, and the root holds no parameters here); <!-- fact: accelerate.fsdp2_keeps_root_tail_gathered -->
-# gradients are reduce-scattered once per unit that holds parameters. Prefetch changes *when*,
+# gradients are reduce-scattered once per unit that holds parameters. FSDP's prefetch changes *when*,
 # not *how many*. <!-- fact: torch.fsdp2_collective_counts -->
 # `helpers.job.wrap.expected_collectives` writes that down; the table is what the traces counted
-# (rank 0, one step; MB = the gathered (unsharded) tensor's size, bf16 for gathers).
+# (rank 0, one step; MB = the gathered (unsharded) tensor's size, bf16 for gathers; peak and step
+# time: each job's own).
 
 # %%
 tab = traces.collective_table(list(pf.values()), labels=list(pf))
@@ -193,6 +194,7 @@ units_tf = wrap.check_wrap_policy(load_job_config("launch_configs/fsdp/full_shar
                                   resolve_model(MODEL))
 want = wrap.expected_collectives(units_tf, reshard_after_forward=True)
 n_tensors = len(list(wrap.meta_model(resolve_model(MODEL)).parameters()))
+model_mb = sum(u.num_params for u in units_tf) * 2 / 1e6  # the whole model in bf16
 fsdp_rows = tab.loc[["FSDP no prefetch", "FSDP prefetch"]]
 fsdp_exact = ((fsdp_rows.all_gathers == want["all_gathers"]).all()
               and (fsdp_rows.reduce_scatters == want["reduce_scatters"]).all()
@@ -200,13 +202,16 @@ fsdp_exact = ((fsdp_rows.all_gathers == want["all_gathers"]).all()
 claim(f"FSDP's {len(units_tf)} units predict its collectives exactly, with and without prefetch", fsdp_exact,
       expected=want, counted=fsdp_rows[["all_gathers", "reduce_scatters"]].to_dict("index"))
 claim(f"ZeRO-3 without prefetch gathers each of the {n_tensors} parameter tensors on its own, in forward and "
-      "again in backward", tab.loc["ZeRO-3 no prefetch", "all_gathers"] == 2 * n_tensors,
-      all_gathers=int(tab.loc["ZeRO-3 no prefetch", "all_gathers"]))
+      "again in backward (twice the model's bytes)", tab.loc["ZeRO-3 no prefetch", "all_gathers"] == 2 * n_tensors
+      and abs(tab.loc["ZeRO-3 no prefetch", "all_gather_MB"] - 2 * model_mb) < 1e-3,
+      all_gathers=int(tab.loc["ZeRO-3 no prefetch", "all_gathers"]), MB=tab.loc["ZeRO-3 no prefetch", "all_gather_MB"],
+      model_MB=model_mb)
 bucket = zo["ZeRO-3 prefetch"]["stage3_prefetch_bucket_size"]
 n_params = pf["ZeRO-3 prefetch"].summary["num_params"]
-claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step (the profiled step 2)",
-      bucket > n_params and tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1, bucket=bucket, params=n_params,
-      all_gathers=int(tab.loc["ZeRO-3 prefetch", "all_gathers"]))
+per_step = traces.collectives(pf["ZeRO-3 prefetch"]).all_gathers.tolist()
+claim("ZeRO-3 with its prefetch settings (a bucket larger than the model; the reuse distance printed above) gathers "
+      "once per step, in both profiled steps", bucket > n_params and per_step == [1, 1], bucket=bucket,
+      params=n_params, all_gathers_per_step=per_step)
 
 # %% [markdown]
 # ## 3 · What prefetch holds: the size of one gather
@@ -219,7 +224,6 @@ claim("ZeRO-3 with a prefetch bucket larger than the model gathers once per step
 # peaks differ (`18_fit_details` prints by how much).
 
 # %%
-model_mb = sum(u.num_params for u in units_tf) * 2 / 1e6  # the whole model in bf16
 block_mb = max(u.num_params for u in units_tf if u.cls.endswith("DecoderLayer")) * 2 / 1e6  # one block in bf16
 big = tab["largest_all_gather_MB"]
 claim("ZeRO-3's prefetch bucket gathers the whole model at once", abs(big["ZeRO-3 prefetch"] - model_mb) < 1e-3,
@@ -254,16 +258,18 @@ for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 
 # %%
 ran(f"model {MODEL}, {NPROC} ranks, {'GPU (nccl)' if GPUS else 'CPU (gloo)'}", pf.values(), model=MODEL,
     world_size=NPROC, dist_backend="nccl" if GPUS else "gloo")
-claim(f"prefetch changes when FSDP gathers, not how many: its {len(units_tf)} transformer-policy units predict the "
+claim(f"prefetch changes when FSDP gathers, not how many: its {len(units_tf)} units (the transformer policy's blocks and "
+      "Accelerate's embedding, tail and root) predict the "
       f"gathers (count and total bytes) and the reduce-scatter count ({want['all_gathers']} and {want['reduce_scatters']} in "
       "the profiled step counted), with or without prefetch; with it, block 1's gather starts before block 0's forward is done",
       fsdp_exact and ag1 < done1 and ag0 > done0)  # fact: torch.fsdp2_forward_prefetch_order
 n_zero = int(tab.loc["ZeRO-3 no prefetch", "all_gathers"])
-claim(f"ZeRO-3's bucket merges its per-module gathers into one: {n_zero} in the step counted without prefetch, "
+claim(f"ZeRO-3's prefetch settings merge its per-module gathers into one: {n_zero} in the step counted without prefetch, "
       f"1 with a bucket larger than the model (the whole model, {model_mb:.2f} MB, at once)",
       n_zero == 2 * n_tensors and tab.loc["ZeRO-3 prefetch", "all_gathers"] == 1 and bucket > n_params
       and abs(big["ZeRO-3 prefetch"] - model_mb) < 1e-3)
-claim("all four settings train identically" if PARITY else "all four settings train alike (within 1e-2)", alike)
+claim("all four settings give identical losses" if PARITY else "all four settings train alike (within 1e-2)", alike,
+      largest_gap=spread)
 
 # %% [markdown]
 # More in the deep dive `14_prefetch_details`: other unit choices, computing and communicating at

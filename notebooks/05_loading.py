@@ -143,7 +143,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 # **What it means.**
 #
 # * **Naive**: every rank peaks near or above the whole model in fp32 (after the upcast; the dashed line). Ranks on one
-#   machine load at the same time (the job starts every rank's load together), each holding its own full copy.
+#   machine load at the same time (by design: the job starts every rank's load together), each holding its own full copy.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they
 #   peak far below naive. Rank 0 builds the whole state dict in its own memory, in the load
@@ -151,7 +151,7 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 #   peak stays well above the others'. The saving is on the other `world_size - 1` ranks (one here),
 #   which never build the whole state dict (by design: the peaks alone cannot show it).
 # * **ZeRO-3 init**: each module's parameters are partitioned once the module is created, <!-- fact: deepspeed.zero_init_partitions_on_creation -->
-#   and filled module by module; only rank 0 reads the file <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (`peak_file_MiB`: rank 0's is
+#   and filled module by module; only rank 0 reads the file's values <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (`peak_file_MiB`: rank 0's is
 #   the memory-mapped file, page cache, not a copy it made; the others' stays far below). The
 #   peaks cannot show whether a rank ever held the whole model: above its bf16 shard a rank
 #   holds DeepSpeed's working memory (our reading: parameters gathered while they are filled, buffers),
@@ -196,7 +196,7 @@ claim(f"ZeRO-3 init: every rank, rank 0 included, peaks well below naive (under 
 file_MiB = os.path.getsize(f"{PRETRAINED}/model.safetensors") / 2**20
 for label in ("FSDP RAM-efficient", "ZeRO-3 init"):
     pages = table[table.method == label].set_index("rank").peak_file_MiB
-    claim(f"{label}: only rank 0 reads the file (its file pages cover the file; the others' peak under a tenth of its)",
+    claim(f"{label}: only rank 0 maps the file's pages (they cover the file; the others' peak under a tenth of its)",
           pages[0] > 0.95 * file_MiB and pages.drop(0).max() < 0.1 * pages[0], rank0_MiB=round(pages[0], 1),
           file_MiB=round(file_MiB, 1), others_MiB=pages.drop(0).round(1).tolist())
 
@@ -243,9 +243,9 @@ for label in NAMES.values():
     s = table[table.method == label]
     print(f"{label:20s} rank 0 peak {s.peak_anon_MiB.iloc[0]:7.0f} MiB, other ranks max "
           f"{s[s['rank'] > 0].peak_anon_MiB.max():7.0f} MiB, load {s.seconds.max():5.1f} s")
-claim("naive loading cost every rank the whole model before sharding", naive_ok)
+claim("naive loading cost every rank the whole model (the measured window ends after sharding)", naive_ok)
 claim("FSDP's RAM-efficient loading (meta init, rank-0 read, broadcast) kept the other ranks far below naive; "
-      "its rank 0 still held the whole state dict", ram_ok and rank0_ok)  # fact: torch.broadcast_from_rank0_per_tensor
+      "its rank 0 still peaked near the whole state dict plus its shard (by design it holds both)", ram_ok and rank0_ok)  # fact: torch.broadcast_from_rank0_per_tensor
 claim("with ZeRO-3 init (partition on creation) every rank, rank 0 included, peaked well below naive (whether a rank "
       "ever held the whole bf16 model, the peaks cannot show)", zero_ok)  # fact: deepspeed.zero_init_partitions_on_creation
 claim("weights loaded every way equal the file's, value by value on every rank (rounded to the load dtype)", match_ok)

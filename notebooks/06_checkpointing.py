@@ -57,7 +57,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # | FSDP `fsdp_state_dict_type: SHARDED_STATE_DICT` | `dcp/`: one file per rank (`torch.distributed.checkpoint`); any world size can load it <!-- fact: torch.dcp_file_per_rank --> |
 # | FSDP `fsdp_state_dict_type: FULL_STATE_DICT` | `full.pt`: model and optimizer gathered to rank 0, in one file (Accelerate's `save_state` writes the model's in one file too), in the parameters' dtype (fp32 here) <!-- fact: torch.full_state_dict_rank0 --> <!-- fact: accelerate.full_state_dict_one_file --> |
 # | DeepSpeed | `ds/`: `engine.save_checkpoint`, two files per rank (model states, optimizer states) <!-- fact: deepspeed.zero3_checkpoint_files --> |
-# | DeepSpeed `zero3_save_16bit_model: true` | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
+# | DeepSpeed `stage3_gather_16bit_weights_on_model_save: true` (Accelerate: `zero3_save_16bit_model`) | also `model_16bit.bin`: the weights gathered in bf16 (no optimizer), <!-- fact: deepspeed.save_16bit_model_weights_only --> written by this guide (Accelerate's `save_state` does not) <!-- fact: accelerate.save_state_no_16bit_file --> |
 #
 # Each rank also saves its RNG state; a step's data is a pure function of the step number,
 # so the step counter is the data position (by design; not checked here). (A killed save leaves nothing that passes
@@ -74,7 +74,7 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # %% [markdown]
 # ## The relay: FSDP → DeepSpeed → FSDP
 #
-# `python -m helpers.convert SRC DST --to deepspeed|fsdp` reads any format (FSDP sharded or
+# `python -m helpers.convert SRC DST --to deepspeed|fsdp` reads each format (FSDP sharded or
 # full, DeepSpeed ZeRO stage 0 to 3, another world size: `tests/test_resume_anywhere.py`,
 # `tests/test_convert_layouts.py`) into one consolidated fp32 layout (per parameter: the fp32
 # weight, Adam's `exp_avg`, `exp_avg_sq` and step) and writes it for the other side:
@@ -99,8 +99,8 @@ facts.show("deepspeed.zero_checkpoint_fixed_world_size")
 #     --model $MODEL --steps $K2 --resume $CK/to_ds/step_$K --checkpoint-dir $CK/ds --checkpoint-every $K
 
 # %% [markdown]
-# DeepSpeed saved a native checkpoint at step `2K`. Back to FSDP, this time saving FULL
-# state dicts:
+# DeepSpeed saved a native checkpoint at step `2K`. Back to FSDP, this time saving a FULL
+# state dict:
 
 # %% language="bash"
 # python -m helpers.convert $CK/ds/step_$K2 $CK/to_fsdp/step_$K2 --to fsdp
@@ -163,9 +163,9 @@ fig.tight_layout()
 
 # %% [markdown]
 # **What it means.** The relay's points sit on the uninterrupted line; on this CPU the
-# difference is zero at every step after the first switch. That needs the weights, Adam's
-# moments and step counter to pass both conversions unchanged (not compared here; the tests do:
-# `tests/test_convert_layouts.py`, `tests/test_checkpoint.py`), and FSDP and
+# difference is zero at every step after the first switch. The state agrees too: at step `2K` the
+# relay's converted checkpoint holds the uninterrupted run's weights, Adam's moments and step
+# counters bit for bit (checked below; other layouts: `tests/test_convert_layouts.py`), and FSDP and
 # ZeRO-3 to compute the same bits per step, as they did here on CPU/gloo (notebook 00; on GPUs the
 # check allows 1e-2). The jump at step 9 (on 2 ranks) is the loss bump the deep dive
 # `10_launching_details` looks at (our rate is printed below), on both lines alike. The checks:
@@ -181,7 +181,30 @@ else:
     claim(f"the relay's loss is within 1e-2 of the uninterrupted run's at all {2 * K} steps after the first switch "
           "(nccl)", relay.step.tolist() == list(range(3 * K)) and gap < 1e-2, max_difference=gap)
 print("learning rate at every step of the uninterrupted run:", sorted(set(straight.metrics.lr)))
-if 3 * K > 10 and NPROC == 2:  # the step checked on 2 ranks only (notebook 10 runs no other rank count)
+import torch  # noqa: E402
+
+from helpers.convert import read_consolidated  # noqa: E402
+
+
+def leaves(x, at=()):
+    """(path, value) of every tensor and setting in a checkpoint's consolidated state."""
+    if isinstance(x, dict | list | tuple):
+        for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+            yield from leaves(v, (*at, str(k)))
+    else:
+        yield at, x
+
+
+own, relayed = (dict(leaves(read_consolidated(CK / d / f"step_{2 * K}", json.loads(
+    (CK / d / f"step_{2 * K}" / "meta.json").read_text())))) for d in ("fsdp", "to_fsdp"))
+tensors = [k for k, v in own.items() if torch.is_tensor(v)]
+same_state = own.keys() == relayed.keys() and all(
+    torch.equal(own[k], relayed[k]) if k in tensors else own[k] == relayed[k] for k in own)
+if nb.bitwise_parity_expected(NPROC):
+    claim(f"at step {2 * K} the relay's converted checkpoint equals the uninterrupted run's own, bit for bit: weights, "
+          "Adam's moments and steps, and the optimizer's settings", same_state, tensors=len(tensors),
+          other_values=len(own) - len(tensors), kinds=sorted({k[-1] for k in tensors if k[0] == "optim"}))
+if 3 * K > 10 and NPROC == 2 and not GPUS:  # the step checked on CPU/gloo at 2 ranks (as notebook 10 does)
     bump, relayed = straight.metrics.set_index("step").loss, relay.set_index("step").loss
     claim("at notebook 10's rate (3e-3) the loss jumps at step 9 (by over 0.2) and falls back at step 10 (within 0.05 "
           "of step 8), in the uninterrupted run and in the relay", set(straight.metrics.lr) == {3e-3}
@@ -264,8 +287,7 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
 
 # %% [markdown]
 # **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter under
-# FSDP and ZeRO-3: fp32 master weights (4) plus Adam's two fp32 moments (8) (under
-# ZeRO-1/2 rank 0 also saves the bf16 module; not run here). DeepSpeed's ZeRO-3 optimizer files
+# FSDP and ZeRO-3: fp32 master weights (4) plus Adam's two fp32 moments (8). DeepSpeed's ZeRO-3 optimizer files
 # hold the fp32 partitions and moments, its model files no weights (the table's empty `model`). <!-- fact: deepspeed.zero3_checkpoint_contents --> The
 # 16-bit file is about 6x smaller but holds weights only: it suits inference or a fresh
 # fine-tune (not run here), not an exact resume. <!-- fact: deepspeed.save_16bit_model_weights_only -->

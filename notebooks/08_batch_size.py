@@ -275,9 +275,8 @@ claim("beside the state and the activations, the estimator counts more working b
 #
 # ## Offload on one RAM, and DeepSpeed's default bucket
 #
-# The write-up's GPT-XL row is ZeRO-3 with CPU offload: the states move to the host
-# <!-- fact: deepspeed.zero3_offload_keys -->, and only the working set counts against the
-# GPU. Here the offloaded states stay in the same RAM, counted by `peak_tensor_bytes`
+# The write-up's GPT-XL row is ZeRO-3 with CPU offload: optimizer states (and, with
+# `offload_param`, parameters) move to the host <!-- fact: deepspeed.zero3_offload_keys -->. Here the offloaded states stay in the same RAM, counted by `peak_tensor_bytes`
 # <!-- fact: torch.cpu_offload_on_cpu_is_noop -->.
 #
 # The shipped ZeRO-1/2/3 configs keep DeepSpeed's
@@ -308,7 +307,7 @@ if GPUS:
           offload=LARGEST[OFFLOAD], full_shard=LARGEST[FS])
 else:
     claim("on one RAM, offload fits fewer sequences than the estimator predicts with its states off the device (its "
-          "count for a GPU), and within one of FULL_SHARD without offload",
+          "CPU count, without a GPU's own buffers), and within one of FULL_SHARD without offload",
           LARGEST[OFFLOAD] < offload_gpu and abs(LARGEST[OFFLOAD] - LARGEST[FS]) <= 1,
           offload=LARGEST[OFFLOAD], predicted_states_off=offload_gpu, full_shard=LARGEST[FS])
     both = sorted(set(RESULT[FS]) & set(RESULT[OFFLOAD]))

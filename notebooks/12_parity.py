@@ -53,7 +53,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # ## 1 · The parity breakers
 #
 # The shipped pair (`launch_configs/fsdp/full_shard.yaml`, `launch_configs/deepspeed/zero3.yaml`)
-# trains bit for bit alike on this CPU without gradient accumulation (notebooks 00 and 02; section 4 accumulates). It takes explicit choices. The first two **parity breakers** below
+# trains the tiny Llama bit for bit alike on this CPU without gradient accumulation (notebooks 00 and 02; section 4 accumulates). It takes explicit choices. The first two **parity breakers** below
 # part the runs when left at their defaults (clipping, when the gradient norm passes the limit:
 # shown on the tiny Llama in section 2; ZeRO-3's linear on a model whose biased layers take 3-D inputs: shown
 # on Qwen2), the third one family (section 5); the others are
@@ -183,7 +183,7 @@ claim("both sides reduce gradients in bf16", fsdp_hi.summary["dtypes"]["reduce_d
 norms = {r.name: float(r.metrics["grad_norm"].min()) for r in (fsdp_hi, ds_clip, fsdp_clip)}
 claim("gradient norms exceed 1 at every step of all three runs, so a clip at 1.0 acts wherever it is on",  # fact: deepspeed.gradient_clipping_default
       all(v > 1.0 for v in norms.values()), smallest_norm=norms)
-claim("step 0 is identical; the runs part from step 1, by a small drift (under 1e-2) still there at the last step",
+claim("step 0's loss is identical; the losses part from step 1, by a small drift (under 1e-2) still there at the last step",
       drift.iloc[0] == 0 and drift.iloc[1] > 0 and drift.iloc[-1] > 0 and drift.max() < 1e-2,
       first=float(drift.iloc[0]), second=float(drift.iloc[1]), last=float(drift.iloc[-1]), largest=float(drift.max()))
 moved = float(fsdp_hi.metrics["loss"].iloc[0] - fsdp_hi.metrics["loss"].iloc[-1])
@@ -299,7 +299,7 @@ claim("both backends see twice the tokens per step with --grad-accum 2 (DeepSpee
 claim("close, not bit for bit: the same first loss, then apart by more than 0 and under 1e-3",
       acc_gap.iloc[0] == 0 and 0 < acc_gap.max() < 1e-3, largest_gap=float(acc_gap.max()))
 n0 = (float(acc_f.metrics["grad_norm"].iloc[0]), float(acc_d.metrics["grad_norm"].iloc[0]))
-claim("the first difference is in the last bits: step 0's gradient norms part by under 1e-5 of their size, and the "
+claim("the first difference is small: step 0's gradient norms part by under 1e-5 of their size, and the "
       "gap is still there at the last step", n0[0] != n0[1] and abs(n0[0] - n0[1]) < 1e-5 * n0[0]
       and acc_gap.iloc[-1] > 0, step0_grad_norms=n0, relative_gap=abs(n0[0] - n0[1]) / n0[0],
       last_gap=float(acc_gap.iloc[-1]))
@@ -362,10 +362,10 @@ _ = (cfg / "zero3_default_linear.yaml").write_text(
 #     --families $SWEEP --steps $TRACE --nproc $NPROC --out notebooks/runs/12_switch > notebooks/runs/12_switch.txt
 # echo "exit status $? (0: all identical, 1: some differ)"
 # grep '^settings\|^  setting\|^\*' notebooks/runs/12_switch.txt       # the settings that differ (* rows)
-# sed -n '/^olmo2: differs/,/reproduced by/p' notebooks/runs/12_switch.txt  # a family that parts, traced
+# sed -n '/^olmo2: differs/,/tested in/p' notebooks/runs/12_switch.txt  # a family that parts, traced
 # python -m helpers.switch --config launch_configs/fsdp/full_shard.yaml --steps $TRACE --nproc $NPROC \
 #     --to notebooks/runs/12_configs/zero3_default_linear.yaml --families llama,qwen2 \
-#     --out notebooks/runs/12_switch_default_linear | sed -n '/^qwen2: differs/,/reproduced by/p'
+#     --out notebooks/runs/12_switch_default_linear | sed -n '/^qwen2: differs/,/tested in/p'
 
 # %%
 import pandas as pd  # noqa: E402
@@ -404,7 +404,8 @@ if nb.bitwise_parity_expected(NPROC):  # a CPU; on a GPU the sweep's jobs do not
           fewer_steps_compared=short, identical_without_full_traces=untraced)
     olmo = switched["olmo2"]
     facts.show("transformers.olmo2_rotary_fp32", "torch.fsdp2_casts_unit_inputs")
-    claim("OLMo-2 parts in the forward of step 0, first at layer 0's o_proj, cause: FSDP casts unit inputs",
+    claim("OLMo-2 parts in the forward of step 0, first at layer 0's o_proj; the cause switch names (a diagnosis, "
+          "not a run): FSDP casts unit inputs",
           olmo["module"] is not None and (olmo["module"]["step"], olmo["module"]["phase"], olmo["module"]["module"])
           == (0, "forward", "model.layers.0.self_attn.o_proj")
           and [c["key"] for c in olmo["causes"]] == ["fsdp_casts_unit_inputs"], module=olmo["module"])
@@ -466,7 +467,7 @@ claim("DeepSpeed's clip at 1.0 when gradient_clipping is absent, and ZeRO-3's ow
       and not qwen["identical"], implicit_clip_drift=float(drift.max()), qwen2_parts_at_step=qwen["first_step"])
 if nb.bitwise_parity_expected(NPROC):
     claim("with the same clipping and without accumulation the pair is bit-identical; even then one FSDP default "
-          "(its cast of unit inputs) parts one family of the sweep, OLMo-2", clip_identical and norms_identical and differ == ["olmo2"]
+          "(its cast of unit inputs, by switch's diagnosis) parts one family of the sweep, OLMo-2", clip_identical and norms_identical and differ == ["olmo2"]
           and [x["key"] for x in switched["olmo2"]["causes"]] == ["fsdp_casts_unit_inputs"], differ=differ,
           families_identical=f"{int(family_table['bit-identical'].sum())} of {len(SWEEP)}")
 claim("gradient accumulation agrees closely but not bitwise", 0 < acc_gap.max() < 1e-3,

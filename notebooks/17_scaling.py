@@ -165,8 +165,8 @@ print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not 
 # overheads are not broken down here): a `tiny` step is a few small matmuls wrapped in per-op overheads —
 # Python, launching each op, the optimizer's per-parameter loop (FSDP's; DeepSpeed steps one
 # flat partition), gloo's collectives (FSDP gathers each unit, again in backward when it resharded after forward, and reduces it once) — which do
-# no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> What the runs show (checked below): over 90% of a `tiny` step's time
-# is off the peak, the FSDP jobs loop over parameters and reshard, and `tiny` on 1 rank, with no
+# no model FLOPs. <!-- fact: torch.adamw_foreach_false_loops --> <!-- fact: deepspeed.zero3_steps_one_flat_partition --> <!-- fact: torch.fsdp2_collective_counts --> What the runs show (checked below): at 2 ranks over 90% of a `tiny` step's time
+# is off the peak, the FSDP jobs were set to loop over parameters and to reshard, and `tiny` on 1 rank, with no
 # other rank to exchange with, stays below `small`'s MFU; which overhead costs what, they do not isolate. Whether it keeps rising
 # beyond `small` is not measured here: add `medium` to `--models` and look (on a CPU it need not rise,
 # our reading: a larger model's weights and activations also outgrow the caches). The last

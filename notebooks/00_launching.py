@@ -165,8 +165,8 @@ fig.tight_layout()
 # **What it means.** The curves lie on top of each other and the difference is zero at
 # every step: FSDP with `mixed_precision: bf16` (fp32 shards, bf16 compute) and ZeRO-3
 # (bf16 module, fp32 master partitions) do the same arithmetic (our reading of the identical
-# losses, and of the same dtype at each stage of the computation the jobs probe, checked below: what
-# each stores between steps differs, as printed above; the deep dive
+# losses, and of the same dtype at the six compute stages checked below; what each stores differs:
+# its shards, printed above; the deep dive
 # `12_parity` traces the tensors of pairs that part). <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 # The cell below checks
 # this, so the claim fails loudly if it ever stops being true. (Measured on the CPU with

@@ -241,9 +241,9 @@ peaks
 # ## 5 · The rest of a config, key by key
 #
 # Sharding is one row of a launch config. `helpers.core.mapping.SETTINGS` holds the others as
-# data, and `python -m helpers.translate` reads it to turn an FSDP config into the DeepSpeed
+# data (the table below), and `python -m helpers.translate` turns an FSDP config into the DeepSpeed
 # one with the same settings (and back), with a warning and the nearest choice (one run here) for every
-# setting that has no exact counterpart. "Exact" is about what a setting asks for, not about
+# value in the config that has no exact counterpart. "Exact" is about what a setting asks for, not about
 # bit-identical training: NO_SHARD and ZeRO-0 ask for the same sharding (nothing) and still
 # train differently (section 3). <!-- fact: deepspeed.zero0_replicates -->
 

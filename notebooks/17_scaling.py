@@ -107,10 +107,10 @@ def read_back(csv, what):
         micro_batch=2, seq_len=64, model_dtype="fp32", mixed_precision="no",
         dist_backend="nccl" if GPUS else "gloo")
     jobs = [r.summary for r in runs]
-    claim(f"{what}: every job computed its forward in fp32 and counted MFU against its own peak"
-          + ("" if GPUS else f", {len(jobs)} different values, each measured with an fp32 matmul on one thread"),
-          all(j["dtypes"]["forward_weight"] == "fp32" and abs(j["flops_per_token"] * j["tokens_per_s_per_rank"]
-              / j["peak_flops"] / j["mfu"] - 1) < 1e-9 for j in jobs) and (GPUS or (
+    claim(f"{what}: every job computed its forward in fp32"
+          + ("" if GPUS else f" and measured its own peak ({len(jobs)} different values), with an fp32 matmul on one "
+             "thread"),
+          all(j["dtypes"]["forward_weight"] == "fp32" for j in jobs) and (GPUS or (
               csv.peak_flops.nunique() == len(jobs) and all("fp32 matmul, 1 thread(s)" in j["peak_flops_source"]
                                                            for j in jobs))),
           peak_sources=sorted({j["peak_flops_source"].split(", rank")[0] for j in jobs}))
@@ -151,9 +151,8 @@ claim(f"and uses the core better: MFU is higher for {' and '.join(SIZES[1:])} th
 print(f"MFU per backend, {' -> '.join(SIZES)}: {mfu}")
 off = {b: [float(by.loc[(b, m), "step_time_s"] * (1 - by.loc[(b, m), "mfu"])) for m in SIZES] for b in ("fsdp", "deepspeed")}
 grew = {b: v[-1] / v[0] for b, v in off.items()}
-claim(f"the same, said in seconds: the time off the peak (step time x (1 - MFU)) grows from tiny to {SIZES[-1]} more "
-      "slowly than the FLOPs per token", all(g < flops[-1] / flops[0] for g in grew.values()), off_peak_s=off, grew=grew,
-      flops_grew=flops[-1] / flops[0])
+print(f"the same in seconds (no new check): the time off the peak, step time x (1 - MFU), grows x{ {b: round(g, 1) for b, g in grew.items()} } from tiny to "
+      f"{SIZES[-1]}, the FLOPs per token x{flops[-1] / flops[0]:.1f}")
 print("FSDP / DeepSpeed step time per size (one 5-step job each, no spread: not a comparison of the backends):",
       {m: round(float(by.loc[("fsdp", m), "step_time_s"] / by.loc[("deepspeed", m), "step_time_s"]), 2)
        for m in SIZES})
@@ -228,9 +227,11 @@ for backend in ("fsdp", "deepspeed") if not GPUS and CORES <= 2 else ():  # on a
           f"all ranks {four.tokens_per_s / two.tokens_per_s:.2f}x (one short job each)")
 at_four = [r for r in rank_runs if r.summary["world_size"] == 4]
 if not GPUS and CORES < 4:
-    claim(f"the two 4-rank jobs ran 4 CPU ranks on {CORES} CPUs: more ranks than CPUs, so ranks shared them",
-          len(at_four) == 2 and all(r.summary["device"] == "cpu" and r.summary["world_size"] > CORES for r in at_four),
-          world_sizes=[r.summary["world_size"] for r in at_four])
+    shared = [next((ln for ln in (r.path / "log.txt").read_text().splitlines() if "ranks on this node share" in ln), None)
+              for r in at_four]
+    claim("each 4-rank job saw more ranks than CPU cores on its node and said so in its log (ranks take turns)",
+          len(at_four) == 2 and all(r.summary["device"] == "cpu" for r in at_four) and all(shared),
+          note=shared[0][:60] if shared and shared[0] else None)
     print("peaks by ranks (GFLOP/s; rank 0's matmul while the others wait):",
           {f"{b} {n}": round(p / 1e9, 1) for (b, n), p in sorted(rk.peak_flops.items())})
 elif not GPUS:

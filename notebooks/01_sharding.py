@@ -143,13 +143,13 @@ with torch.device("meta"):  # shapes only, no memory
 z3 = next(r for r in runs if r.summary["mode_key"] == "zero3")
 small = sum(n for n in sizes if footprint.is_persistent(
     n, footprint.persistence_threshold(z3.config["deepspeed"]["json"]["zero_optimization"])))
-at2 = mem[mem.world_size == 2]
+mem2 = mem[mem.world_size == 2]
 gap2 = {}  # (mode, category): the gap on each rank
-for m, c, g in zip(at2["mode"], at2.category, at2.measured - at2.theory):
+for m, c, g in zip(mem2["mode"], mem2.category, mem2.measured - mem2.theory):
     if g and not (m in ("zero1", "zero2") and c == "grads"):
         gap2.setdefault((m, c), []).append(int(g))
 per_tensor = ("no_shard", "shard_grad_op", "full_shard", "zero0")  # the others: one counter per flat group
-expected = {(m, "optimizer_states"): 4 * len(sizes) if m in per_tensor else 4 for m in set(at2["mode"])}
+expected = {(m, "optimizer_states"): 4 * len(sizes) if m in per_tensor else 4 for m in set(mem2["mode"])}
 expected[("zero3", "params")] = 2 * small
 claim("at 2 ranks those gaps are exactly the two named: a 4-byte step counter per parameter tensor (FSDP, ZeRO-0) or "
       "per flat group (ZeRO-1/2/3), and ZeRO-3's whole small weights in bf16, the same on both ranks",

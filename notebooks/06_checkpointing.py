@@ -195,8 +195,8 @@ def leaves(x, at=()):
         yield at, x
 
 
-own, relayed = (dict(leaves(read_consolidated(CK / d / f"step_{2 * K}", json.loads(
-    (CK / d / f"step_{2 * K}" / "meta.json").read_text())))) for d in ("fsdp", "to_fsdp"))
+own, relayed = (dict(leaves(read_consolidated(step, checkpoint.read_meta(step))))
+                for step in (CK / d / f"step_{2 * K}" for d in ("fsdp", "to_fsdp")))
 tensors = [k for k, v in own.items() if torch.is_tensor(v)]
 same_state = own.keys() == relayed.keys() and all(
     torch.equal(own[k], relayed[k]) if k in tensors else own[k] == relayed[k] for k in own)

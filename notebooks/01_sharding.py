@@ -148,12 +148,15 @@ gap2 = {}  # (mode, category): the gap on each rank
 for m, c, g in zip(mem2["mode"], mem2.category, mem2.measured - mem2.theory):
     if g and not (m in ("zero1", "zero2") and c == "grads"):
         gap2.setdefault((m, c), []).append(int(g))
-per_tensor = ("no_shard", "shard_grad_op", "full_shard", "zero0")  # the others: one counter per flat group
+per_tensor = ("no_shard", "shard_grad_op", "full_shard", "zero0")
+# ZeRO-1/2/3: one counter per flat group, and the job gives its optimizer one parameter group (helpers.job.backends),
+# so one counter; these runs cannot tell "per flat group" from "one per optimizer", and the claim does not say which
 expected = {(m, "optimizer_states"): 4 * len(sizes) if m in per_tensor else 4 for m in set(mem2["mode"])}
 expected[("zero3", "params")] = 2 * small
 claim("at 2 ranks those gaps are exactly the two named: a 4-byte step counter per parameter tensor (FSDP, ZeRO-0) or "
-      "per flat group (ZeRO-1/2/3), and ZeRO-3's whole small weights in bf16, the same on both ranks",
-      gap2 == {k: [v, v] for k, v in expected.items()}, gaps_bytes={f"{m} {c}": v for (m, c), v in gap2.items()})
+      "a single one (ZeRO-1/2/3), and ZeRO-3's whole small weights in bf16, the same on both ranks",
+      gap2 == {k: [v, v] for k, v in expected.items()}, tensors=len(sizes), small_weight_elements=small,
+      gaps_bytes={f"{m} {c}": v for (m, c), v in gap2.items()})
 
 
 def overhang(ws, rank):
@@ -193,9 +196,13 @@ split.round(1)
 
 # %%
 per_param = split.loc["total"] * 2**20 * ws / runs[0].summary["num_params"]
-same16 = all(abs(per_param / 16 - 1) < 0.01)
-claim(f"at {ws} ranks FULL_SHARD and ZeRO-3 hold the same total, 16 bytes per parameter (within 1%)", same16,
-      bytes_per_param=per_param.to_dict())
+totals = {k: int(v) for k, v in (split.loc["total"] * 2**20).round().items()}  # rank 0's bytes
+apart = abs(totals["full_shard"] / totals["zero3"] - 1)
+# bytes are exact; full and quick size alike: 16.00001 and 16.00088 bytes per parameter, totals 0.0054% apart
+same16 = all(abs(per_param / 16 - 1) < 0.001) and apart < 0.001
+claim(f"at {ws} ranks FULL_SHARD and ZeRO-3 each hold 16 bytes per parameter (within 0.1%), and their totals are "
+      "within 0.1% of each other", same16, bytes_per_param={k: f"{v:.5f}" for k, v in per_param.items()}, rank0_bytes=totals,
+      totals_apart=apart)
 ratio = {c: split.loc[c, "full_shard"] / split.loc[c, "zero3"] for c in ("params", "grads")}
 ratio["zero3 master / full_shard params"] = split.loc["master_params", "zero3"] / split.loc["params", "full_shard"]
 differ = split.loc["master_params", "full_shard"] == 0 and all(abs(v - w) < 0.01 for v, w in
@@ -245,10 +252,11 @@ part = {f"{k}/{t} {c}": max(a[c] / b[c] for a, b in zip(mb[k], mb[t], strict=Tru
         for k, t in twin.items() for c in ("grads", "optimizer_states")}
 stored = {r.summary["mode_key"]: r.summary["dtypes"]["stored_param"] for r in runs if r.summary["world_size"] == 2}
 params = {k: [m["params"] for m in mb[k]] for k in twin}
+# the larger rank's share, full and quick size alike: 0.5, but ZeRO-2's gradients 0.5126 (the straddlers, above)
 claim("just before the step SHARD_GRAD_OP keeps its fp32 weights sharded (half on each rank), ZeRO-2 its bf16 weights "
-      "whole; both shard the gradients and optimizer states", params == {"shard_grad_op": [4 * P // 2] * 2,
-                                                                          "zero2": [2 * P] * 2}
-      and (stored["shard_grad_op"], stored["zero2"]) == ("fp32", "bf16") and max(part.values()) < 0.6,
+      "whole; both keep under 52% of their unsharded twin's gradients and optimizer states on each rank",
+      params == {"shard_grad_op": [4 * P // 2] * 2, "zero2": [2 * P] * 2}
+      and (stored["shard_grad_op"], stored["zero2"]) == ("fp32", "bf16") and max(part.values()) < 0.52,
       params_bytes=params, stored={k: stored[k] for k in twin}, num_params=P, **part)
 
 # %% [markdown]
@@ -303,13 +311,14 @@ claim("ZeRO-3's peak exceeds its state by more than that default gradient bucket
 recap = (mem[mem["rank"] == 0].groupby(["mode", "world_size"]).measured.sum() / 2**20).unstack().round(1)
 dt = {r.summary["mode_key"]: {d: r.summary["dtypes"][d] for d in ("stored_param", "stored_grad", "master_param")}
       for r in runs if r.summary["mode_key"] in ("full_shard", "zero3")}
-claim("every category was within 1% of the ZeRO model, but ZeRO-1/2's gradients: a slice plus the rest of the "
-      "parameters straddling its edges", off.empty and straddle, outside_1pct=len(off), beyond_slice=over)
-claim("FULL_SHARD (aligned) and ZeRO-3 hold the same total within 1%, split differently: fp32 shards and gradients vs bf16 "
-      "shards and gradients + fp32 master", same16 and differ and dt == {
+print(f"checked above: {len(off)} of {int((~boundary).sum())} values outside 1% of the ZeRO model but ZeRO-1/2's "
+      f"gradients, whose bytes beyond the slice {over} are the straddlers' {counted}")
+print(f"checked above: FULL_SHARD and ZeRO-3 hold {per_param.round(3).to_dict()} bytes per parameter, split "
+      f"differently (FULL_SHARD / ZeRO-3 bytes): {', '.join(f'{k} {v:.3f}' for k, v in ratio.items())}")
+claim("the probed weight's live dtypes match that split: FULL_SHARD (aligned) stores fp32 shards and gradients and no "
+      "master, ZeRO-3 bf16 shards and gradients plus an fp32 master", dt == {
           "full_shard": {"stored_param": "fp32", "stored_grad": "fp32", "master_param": None},
-          "zero3": {"stored_param": "bf16", "stored_grad": "bf16", "master_param": "fp32"}},
-      bytes_per_param=per_param.to_dict(), dtypes=dt, **ratio)
+          "zero3": {"stored_param": "bf16", "stored_grad": "bf16", "master_param": "fp32"}}, dtypes=dt)
 if 4 in WORLDS:
     hy = {r.summary["mode_key"]: r.config for r in runs if r.summary["world_size"] == 4}
     group = [hy["hybrid_shard"]["fsdp"]["hybrid_shard_size"],

@@ -141,7 +141,7 @@ claim(f"that one, converted back, resumed under FSDP for steps {2 * K}..{3 * K -
 wrote = {d: sorted(f.name for f in (CK / d).rglob("*") if f.is_file() and "rng" not in f.parts)
          for d in (f"to_ds/step_{K}", f"to_fsdp/step_{2 * K}")}
 claim("the converter wrote DeepSpeed one consolidated file (full.pt) and FSDP a DCP checkpoint (.metadata and "
-      ".distcp), which FSDP loaded on its ranks", wrote[f"to_ds/step_{K}"] == ["full.pt", "meta.json"]
+      ".distcp files)", wrote[f"to_ds/step_{K}"] == ["full.pt", "meta.json"]
       and {".metadata", "meta.json"} < set(wrote[f"to_fsdp/step_{2 * K}"])
       and all(n.endswith(".distcp") for n in set(wrote[f"to_fsdp/step_{2 * K}"]) - {".metadata", "meta.json"}),
       files=wrote)
@@ -180,7 +180,7 @@ if nb.bitwise_parity_expected(NPROC):
 else:
     claim(f"the relay's loss is within 1e-2 of the uninterrupted run's at all {2 * K} steps after the first switch "
           "(nccl)", relay.step.tolist() == list(range(3 * K)) and gap < 1e-2, max_difference=gap)
-print("learning rate at every step of the uninterrupted run:", sorted(set(straight.metrics.lr)))
+print("learning rates used: uninterrupted run", sorted(set(straight.metrics.lr)), "relay", sorted(set(relay.lr)))
 import torch  # noqa: E402
 
 from helpers.convert import read_consolidated  # noqa: E402
@@ -207,10 +207,11 @@ if nb.bitwise_parity_expected(NPROC):
 if 3 * K > 10 and NPROC == 2 and not GPUS:  # the step checked on CPU/gloo at 2 ranks (as notebook 10 does)
     bump, relayed = straight.metrics.set_index("step").loss, relay.set_index("step").loss
     claim("at notebook 10's rate (3e-3) the loss jumps at step 9 (by over 0.2) and falls back at step 10 (within 0.05 "
-          "of step 8), in the uninterrupted run and in the relay", set(straight.metrics.lr) == {3e-3}
+          "of step 8), in the uninterrupted run and in the relay", set(straight.metrics.lr) == set(relay.lr) == {3e-3}
           and all(b[9] > b[8] + 0.2 and abs(b[10] - b[8]) < 0.05 for b in (bump, relayed)),
           steps_8_9_10={name: [round(b[s], 4) for s in (8, 9, 10)] for name, b in (("uninterrupted", bump),
-                                                                                   ("relay", relayed))})
+                                                                                   ("relay", relayed))},
+          lr={"uninterrupted": sorted(set(straight.metrics.lr)), "relay": sorted(set(relay.lr))})
 
 # %% [markdown]
 # Weights alone would not do: Adam would restart with zero moments at step 1, <!-- fact: torch.adam_state_lazy -->
@@ -279,10 +280,17 @@ claim("FULL and SHARDED hold about the same bytes (within 5%), all fp32",
       bytes_per_param=per_param[["FSDP SHARDED (DCP)", "FSDP FULL"]].to_dict(),
       dtypes=table.loc[["FSDP SHARDED (DCP)", "FSDP FULL"], "dtypes"].to_dict())
 smaller = per_param["DeepSpeed ZeRO-3"] / per_param["DeepSpeed 16-bit weights"]
-claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the file): 2 bytes per parameter, "
-      "about 6x smaller than the ZeRO-3 checkpoint (5.7x to 6.3x)",
-      near("DeepSpeed 16-bit weights", 2, 0.05) and 5.7 < smaller < 6.3
-      and table.loc["DeepSpeed 16-bit weights", "dtypes"] == {"model": ["bfloat16"]},
+ds_ck = Path(leg_ds.summary["checkpoints"][0]["path"])
+file16 = torch.load(ds_ck / "model_16bit.bin", map_location="cpu", weights_only=True)  # read back here
+shapes16 = {k: list(v.shape) for k, v in file16.items()}
+claim("DeepSpeed's 16-bit file holds the model's weights and nothing else (the names and shapes the checkpoint's "
+      "meta.json lists for the model), all bf16: 2 bytes per parameter (within 5%), about 6x smaller than the ZeRO-3 "
+      "checkpoint (5.7x to 6.3x)",
+      shapes16 == checkpoint.read_meta(ds_ck)["param_shapes"] and {str(v.dtype) for v in file16.values()}
+      == {"torch.bfloat16"} and sum(v.numel() for v in file16.values()) == n
+      and near("DeepSpeed 16-bit weights", 2, 0.05) and 5.7 < smaller < 6.3,
+      tensors=len(file16), dtypes=sorted({str(v.dtype) for v in file16.values()}),
+      numel=sum(v.numel() for v in file16.values()), num_params=n,
       bytes_per_param=per_param["DeepSpeed 16-bit weights"], ratio=round(smaller, 2))
 
 # %% [markdown]
@@ -301,12 +309,8 @@ claim("DeepSpeed's 16-bit file holds bf16 weights only (dtypes read from the fil
 # What this machine measured; the bullets after it sum up, naming the tests that show more:
 
 # %%
-if nb.bitwise_parity_expected(NPROC):
-    claim(f"relay FSDP -> DeepSpeed -> FSDP: losses identical to the uninterrupted run at all {2 * K} steps after the "
-          "first switch", relay_same, max_difference=gap, final=straight.summary["final_loss"])
-else:
-    claim(f"relay FSDP -> DeepSpeed -> FSDP: losses within 1e-2 of the uninterrupted run at all {2 * K} steps after "
-          "the first switch (nccl)", gap < 1e-2, final=straight.summary["final_loss"], max_difference=gap)
+print(f"relay FSDP -> DeepSpeed -> FSDP vs the uninterrupted run, {2 * K} steps after the first switch: "
+      f"max |loss difference| {gap:.3g} (checked above); final loss {straight.summary['final_loss']:.4f}")
 for kind, r in table.iterrows():
     print(f"{kind:28s} {r.MB:8.2f} MB  {r.save_s:6.2f} s")
 

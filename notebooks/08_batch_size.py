@@ -105,8 +105,8 @@ print(pd.DataFrame({"device state at rest, MiB per rank (estimated)": {row[k]: v
 claim("the states are a real share of this budget: NO_SHARD's params, grads and Adam states fill over half of it, "
       f"FULL_SHARD's 1/{NPROC} of that", state[NS] > BUDGET / 2 and abs(state[FS] / state[NS] - 1 / NPROC) < 0.05,
       no_shard_MiB=state[NS] / 2**20, full_shard_MiB=state[FS] / 2**20)
-claim("the offload row counts device bytes, as on a GPU: none at rest", state[OFFLOAD] == 0,
-      offload_MiB=state[OFFLOAD] / 2**20)
+print(f"(the estimator's rule, not a measurement: it counts offloaded states off the device, so the offload row "
+      f"shows {state[OFFLOAD] / 2**20:.2f} MiB)")
 
 # %% [markdown]
 # The estimator's largest micro-batch per method; on this CPU the offload row takes
@@ -138,8 +138,11 @@ WALK = walk.read("08", [Path(c).stem for c in METHODS.values()])  # {row: {micro
 RESULT = {m: WALK[Path(c).stem] for m, c in METHODS.items()}
 JOBS = {m: [job(f"{Path(c).stem}_b{b}") for b in sorted(RESULT[m])] for m, c in METHODS.items()}
 ALL = [j for js in JOBS.values() for j in js]
-claim("every run either completed within the budget or was stopped by it (none failed another way)",
-      not walk.failures(WALK), failed_otherwise=walk.failures(WALK))
+ends = {f"{Path(c).stem}_b{b}": (s["status"], s["memory_budget_fits"]) for c in METHODS.values()
+        for b, s in WALK[Path(c).stem].items()}
+claim("every run either completed with its budget check passed or was stopped by the budget (none failed another way)",
+      not walk.failures(WALK) and all(e in (("completed", True), ("failed", False)) for e in ends.values()),
+      failed_otherwise=walk.failures(WALK), completed={n: st == "completed" for n, (st, _) in ends.items()})
 ran(f"every job trained {MODEL} at sequence {SEQ} for two steps on {NPROC} ranks with the budget set", ALL,
     model=MODEL, seq_len=SEQ, steps=2, world_size=NPROC, memory_budget_bytes=BUDGET)
 claim("each row ran its config: the offload row with fsdp_offload_params on, DeepSpeed's with the shipped zero3.json's "
@@ -149,16 +152,21 @@ claim("each row ran its config: the offload row with fsdp_offload_params on, Dee
       reduce_bucket_size=[j.config["deepspeed"]["json"]["zero_optimization"].get("reduce_bucket_size") for j in JOBS[DS]])
 LARGEST = {m: walk.largest(runs) for m, runs in RESULT.items()}
 
-claim("each row started at its prediction and moved one sequence a job to a batch that fits next to one that does not: "
-      "two jobs where the prediction was right", all(walk.walked(RESULT[m], PREDICTED[m]) for m in METHODS)
-      and all(len(RESULT[m]) == 2 for m in METHODS if LARGEST[m] == PREDICTED[m]), jobs={m: len(RESULT[m]) for m in METHODS})
-if not GPUS:
-    errors = {j.name: sum(ln.startswith("error:") for ln in (RUNS / f"08_{j.name}" / "log.txt").read_text().splitlines())
-              for j in ALL}
-    claim("a job fit exactly when its peak_tensor_bytes stayed within the budget; each job over it ended with one "
-          "`error:` line", all((max(j.summary["peak_tensor_bytes"]) <= BUDGET) == j.summary["memory_budget_fits"]
-                               and errors[j.name] == (not j.summary["memory_budget_fits"]) for j in ALL),
-          error_lines=errors)
+order = {m: sorted(RESULT[m], key=lambda b: RESULT[m][b]["started_at"]) for m in METHODS}  # batches, by start
+claim("each row's first job ran its prediction, and each next job one sequence up or down, to a batch that fits next "
+      "to one that does not: two jobs where the prediction was right",
+      all(o[0] == max(PREDICTED[m], 1) and all(abs(b - a) == 1 for a, b in zip(o, o[1:])) for m, o in order.items())
+      and all(walk.walked(RESULT[m], PREDICTED[m]) for m in METHODS)
+      and all(len(RESULT[m]) == 2 for m in METHODS if LARGEST[m] == PREDICTED[m]), batches_in_order=order)
+lines = {j.name: [ln.split(":")[0] for ln in (RUNS / f"08_{j.name}" / "log.txt").read_text().splitlines()
+                  if ln.startswith(("done:", "error:"))] for j in ALL}  # each job's closing lines
+claim("each job that fit ended with one `done:` line after its two steps; each over the budget ended with one "
+      "`error:` line naming the budget",
+      all(lines[j.name] == (["done"] if j.summary["memory_budget_fits"] else ["error"]) for j in ALL)
+      and all(j.summary["status"] == "completed" and len(j.summary["losses"]) == 2 for j in ALL
+              if j.summary["memory_budget_fits"])
+      and all("--memory-budget-gib" in j.summary["reason"] for j in ALL if not j.summary["memory_budget_fits"]),
+      closing_lines={n: v[0] if len(v) == 1 else v for n, v in lines.items()})
 
 # %%
 TABLE = pd.DataFrame({
@@ -179,8 +187,9 @@ print(TABLE.round(1).to_string())
 # %%
 gap = {m: PREDICTED[m] - LARGEST[m] for m in METHODS}
 if not GPUS:
-    claim("every FSDP prediction is within two micro-batches of the runs' answer; DeepSpeed ZeRO-3's is at or above it, "
-          "by at most three", all(abs(gap[m]) <= 2 for m in (NS, SGO, FS, OFFLOAD)) and 0 <= gap[DS] <= 3,
+    # seen: FSDP gaps 0, 0, 1, 0 (full) and 0, 0, 0, 0 (quick); DeepSpeed 1 at both sizes (18_fit_details: up to 2)
+    claim("every FSDP prediction is within one micro-batch of the runs' answer; DeepSpeed ZeRO-3's is at or above it, "
+          "by at most two", all(abs(gap[m]) <= 1 for m in (NS, SGO, FS, OFFLOAD)) and 0 <= gap[DS] <= 2,
           predicted_minus_runs=gap)
     print(f"exact on {sum(g == 0 for g in gap.values())} of {len(gap)} methods")
 else:
@@ -239,9 +248,8 @@ zero = json.loads((CFG / "zero3_bucket.json").read_text())["zero_optimization"]
 names = {n: p.numel() for n, p in meta_model(resolve_model(MODEL)).named_parameters()}
 kept = [n for n, k in names.items() if est.is_persistent(k, est.persistence_threshold(zero))]
 small = sum(2 * names[n] for n in kept)  # bf16, whole on every rank
-claim(f"on this {MODEL} model every decoder weight is under ZeRO-3's persistence threshold (kept whole, next to its "
-      "partition); only the embedding and the head are over it (partition only)",
-      set(names) - set(kept) == {"model.embed_tokens.weight", "lm_head.weight"}, kept=len(kept), params=len(names))
+print(f"by the estimator's copy of ZeRO-3's persistence rule (not DeepSpeed itself; the next check measures it): "
+      f"{len(kept)} of {len(names)} weights kept whole; over the threshold: {sorted(set(names) - set(kept))}")
 dt = {m: RESULT[m][max(LARGEST[m], 1)]["dtypes"] for m in (FS, DS)}
 claim("the runs' params: FSDP's fp32, DeepSpeed's bf16 next to fp32 master params",
       (dt[FS]["stored_param"], dt[DS]["stored_param"], dt[DS]["master_param"]) == ("fp32", "bf16", "fp32"),
@@ -298,8 +306,9 @@ ran("one run: the shipped ZeRO-3 at micro-batch 1", [z3_run], config="launch_con
 z3 = z3_run.summary
 shipped = {n: json.loads(Path(f"launch_configs/deepspeed/{n}.json").read_text())["zero_optimization"]
            for n in ("zero1", "zero2", "zero3")}
-claim("the shipped ZeRO-1/2/3 configs leave reduce_bucket_size at DeepSpeed's default: the estimator counts 5e8 bf16 "
-      "elements", all("reduce_bucket_size" not in z for z in shipped.values()) and bucket == 5e8 * 2, bucket_bytes=bucket)
+claim("the shipped ZeRO-1/2/3 configs do not set reduce_bucket_size (so DeepSpeed's default applies)",
+      all("reduce_bucket_size" not in z for z in shipped.values()), keys_set={n: sorted(z) for n, z in shipped.items()})
+print(f"the estimator's bucket for it (its default: 5e8 elements, 2 bytes each): {bucket / 2**20:.1f} MiB")
 print(f"FULL_SHARD + offload: predicted with its states off the device {offload_gpu}, run here {LARGEST[OFFLOAD]}; "
       f"FULL_SHARD alone: run here {LARGEST[FS]}")
 if GPUS:
@@ -318,10 +327,13 @@ else:
           all(loc["device"] == 0 for j in JOBS[OFFLOAD] for r in j.summary["memory_location_bytes"] for loc in r.values())
           and all(abs(o / f - 1) < 0.10 for f, o in peak.values()) and moved > 0.2,
           peak_MiB_full_shard_offload=peak, state_share=moved)
-claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1: the bucket alone is larger than "
-      "the budget, and the measured peak larger than the bucket", z3["memory_budget_fits"] is False
-      and max(z3["peak_tensor_bytes"]) > bucket > BUDGET,
-      measured_MiB=max(z3["peak_tensor_bytes"]) / 2**20, bucket_MiB=bucket / 2**20, budget_MiB=BUDGET / 2**20)
+# the measured peak beyond the estimator's bucket: 8.4 MiB (full), 9.3 MiB (quick); the budget is 15.4 MiB
+rest_MiB = (max(z3["peak_tensor_bytes"]) - bucket) / 2**20
+claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1: its measured peak is the "
+      "estimator's bucket (larger than the budget) plus less than the budget", z3["memory_budget_fits"] is False
+      and bucket > BUDGET and 0 < rest_MiB < BUDGET / 2**20,
+      measured_MiB=max(z3["peak_tensor_bytes"]) / 2**20, bucket_MiB=bucket / 2**20, rest_MiB=rest_MiB,
+      budget_MiB=BUDGET / 2**20)
 fs_peak = max(RESULT[FS][LARGEST[FS]]["peak_tensor_bytes"]) if LARGEST[FS] else BUDGET
 claim(f"so on this small model ZeRO-3's defaults need more memory than FSDP: ZeRO-3 at micro-batch 1 peaks above "
       f"FULL_SHARD at {LARGEST[FS]}; the estimator counts the bucket and shows it before a run: no micro-batch fits",
@@ -336,8 +348,8 @@ claim(f"so on this small model ZeRO-3's defaults need more memory than FSDP: ZeR
 #
 # Checked above, on this machine, but for the parts labelled otherwise:
 #
-# * The states (the estimator's count) were a real share of the budget. The estimator's prediction was within two
-#   micro-batches of the runs' answer on the FSDP rows, and zero to three above it on DeepSpeed's.
+# * The states (the estimator's count) were a real share of the budget. The estimator's prediction was within one
+#   micro-batch of the runs' answer on the FSDP rows, and zero to two above it on DeepSpeed's.
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD in this
 #   run. It held more state (its whole small parameters), and the estimator counts more working

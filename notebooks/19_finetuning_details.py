@@ -28,6 +28,7 @@
 # %%
 import json
 import os
+import re
 from pathlib import Path
 
 from helpers import facts, nb
@@ -65,15 +66,35 @@ runs = [results.load_run(f"notebooks/runs/19_{lora}_{cfg}")
         for lora in ("lora", "lora_qv") for cfg in ("full_shard", "zero3")]
 ran(f"the aligned pair, twice: 3 steps at {N} ranks", runs, model=MODEL, steps=3, world_size=N)
 lora_tensors = [2 * sum(r.summary["peft"]["adapted"].values()) for r in runs]  # lora_A and lora_B per module
-frozen = [r.summary["audit"]["parameters"] - t for r, t in zip(runs, lora_tensors, strict=True)]
+STAGES = ("weight", "grad_local", "grad_reduced", "update")
+
+
+def traced_by_name(run):
+    """Per parameter of run's tensor trace: recorded (a dtype) at every stage of every step, at none, or mixed."""
+    steps = [json.loads(x)["params"] for x in (run.path / "tensor_trace.jsonl").read_text().splitlines()]
+    seen = {n: {rec[st][1] is not None for t in steps for rec in [t[n]] for st in STAGES} for n in steps[0]}
+    return {n: "all" if v == {True} else "none" if v == {False} else "mixed" for n, v in seen.items()}
+
+
+def adapter_slots(names):  # (layer, module, A/B) of each LoRA tensor's name
+    return sorted(tuple(m.groups()) for n in names if (m := re.search(r"\.layers\.(\d+)\..*\.(\w+)\.lora_([AB])\.", n)))
+
+
+by_name = [traced_by_name(r) for r in runs]
+traced = [sorted(n for n, v in t.items() if v == "all") for t in by_name]
+expected = [sorted((str(i), m, ab) for i in range(layers) for m in r.summary["peft"]["adapted"] for ab in "AB")
+            for r in runs]
 claim("rank-8 LoRA on o_proj and down_proj, then on q_proj and v_proj, of every layer, each pair FSDP full_shard and "
-      "ZeRO-3; every adapter tensor traced, no frozen one",
+      "ZeRO-3; in each run's trace, by name, every adapter tensor (lora_A and lora_B of each adapted module of each "
+      "layer) is recorded at every stage of every step, and no other tensor at any",
       [r.summary["peft"]["adapted"] for r in runs] == [{"o_proj": layers, "down_proj": layers}] * 2
       + [{"q_proj": layers, "v_proj": layers}] * 2 and all(r.summary["peft"]["config"]["r"] == 8 for r in runs)
       and [r.summary["config"].split("/", 1)[1] for r in runs] == ["fsdp/full_shard.yaml", "deepspeed/zero3.yaml"] * 2
-      and all(same.traced + qv.traced)
-      and [same.untraced, qv.untraced] == frozen[::2],
-      untraced=[same.untraced, qv.untraced], adapter_tensors=lora_tensors[::2])
+      and all(set(t.values()) <= {"all", "none"} for t in by_name)
+      and all(adapter_slots(tr) == e and all(".lora_" in n for n in tr) and len(tr) == k
+              for tr, e, k in zip(traced, expected, lora_tensors, strict=True)),
+      traced=[len(t) for t in traced], adapter_tensors=lora_tensors,
+      untraced=[sum(v == "none" for v in t.values()) for t in by_name])
 norms = qv.values["grad_norm"] if qv.values else (0.0, 0.0)
 loss = [json.loads(Path(f"notebooks/runs/19_lora_qv_{b}/summary.json").read_text())["losses"][qv.first_step or 0]
         for b in ("full_shard", "zero3")]
@@ -89,12 +110,12 @@ if nb.bitwise_parity_expected(N):
     claim("LoRA on o_proj/down_proj: the aligned pair is identical for 3 steps, every adapter weight, gradient and "
           "update (the frozen weights have no gradient and are not traced)",
           same.identical and same.tensor is None and all(same.traced), untraced=same.untraced)
-    last = f".layers.{layers - 1}."
-    claim("LoRA on q_proj/v_proj parts at step 1, in the local gradients of the q/v adapters of every layer but the "
-          "last; the last layer's agree",
-          not qv.identical and qv.tensor.step == 1 and qv.tensor.stage == "grad_local" and parted
-          and all(last not in n and ("q_proj" in n or "v_proj" in n) for n in parted)
-          and {n.split(".layers.")[1].split(".")[0] for n in parted} == {str(i) for i in range(layers - 1)},
+    parted_slots = adapter_slots(parted)  # (layer, module, A/B) of each differing local gradient
+    want = sorted((str(i), m, ab) for i in range(layers - 1) for m in ("q_proj", "v_proj") for ab in "AB")
+    claim("LoRA on q_proj/v_proj parts at step 1, in the local gradients of all four q/v adapter tensors (lora_A and "
+          "lora_B of q_proj and v_proj) of every layer but the last, and of nothing else; the last layer's agree",
+          not qv.identical and qv.tensor.step == 1 and qv.tensor.stage == "grad_local"
+          and len(parted) == len(parted_slots) == 4 * (layers - 1) and parted_slots == want,
           parted=len(parted), layers=layers)
     rel = abs(norms[0] - norms[1]) / norms[0]
     claim("the q/v pair parts by a small amount: at step 1 its losses are still equal and its gradient norms differ by "
@@ -109,8 +130,8 @@ if nb.bitwise_parity_expected(N):
 # own <!-- fact: deepspeed.zero3_module_io_autograd_functions -->. Our reading (the order of the
 # sums is not traced here): that groups `q_proj`'s two
 # gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units,
-# adds all of them in one buffer (also our reading). In bf16, a sum taken in another order can round differently (checked
-# below on three numbers). That sum
+# adds all of them in one buffer (also our reading). In bf16, a sum taken in another order can round differently (shown
+# below on three constants). That sum
 # is the gradient flowing into the layers below, which (our reading) is why the last layer's adapters still agree
 # and every layer under it parts. An adapter whose input no other module reads, such as `o_proj` or
 # `down_proj`, gets just two gradients there (base and adapter), and a sum of two is the same in
@@ -122,14 +143,19 @@ import torch  # noqa: E402
 
 one, tiny = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(2.0**-8, dtype=torch.bfloat16)
 orders = {"(1 + 2^-8) + 2^-8": float((one + tiny) + tiny), "1 + (2^-8 + 2^-8)": float(one + (tiny + tiny))}
-claim("in bf16 the same three numbers summed in two orders round differently", len(set(orders.values())) == 2, **orders)
+print("a demo on three constants (not the runs' numbers): in bf16,",
+      ", ".join(f"{k} = {v}" for k, v in orders.items()), "(differ)" if len(set(orders.values())) == 2 else "(same)")
 trace = [json.loads(line) for line in (qv.a / "tensor_trace.jsonl").read_text().splitlines()]
 zero = "0" * 16  # the trace's fingerprint of an all-zero tensor
-b_weights = [[rec["weight"][0] for name, rec in t["params"].items() if ".lora_B." in name] for t in trace[:2]]
-a_grads0 = [rec["grad_local"][0] for name, rec in trace[0]["params"].items() if ".lora_A." in name]
+b_weights = [[rec["weight"] for name, rec in t["params"].items() if ".lora_B." in name] for t in trace[:2]]
+a_grads0 = [rec["grad_local"] for name, rec in trace[0]["params"].items() if ".lora_A." in name]
+recorded = all(dt is not None for _, dt in b_weights[0] + b_weights[1] + a_grads0)  # a stage never recorded: None
 claim("in the FSDP q/v run every B matrix is zero at step 0, so every A matrix gets a zero gradient there; from step 1 no "
-      "B matrix is zero", all(h == zero for h in b_weights[0] + a_grads0) and all(h != zero for h in b_weights[1])
-      and len(b_weights[0]) == len(a_grads0) == 2 * layers, b_matrices=len(b_weights[0]))
+      "B matrix is zero (each of these fingerprints recorded, with its dtype)",
+      recorded and all(h == zero for h, _ in b_weights[0] + a_grads0) and all(h != zero for h, _ in b_weights[1])
+      and len(b_weights[0]) == len(a_grads0) == 2 * layers, b_matrices=len(b_weights[0]),
+      dtypes={"B weight": sorted({str(dt) for _, dt in b_weights[0]}),
+              "A grad_local": sorted({str(dt) for _, dt in a_grads0})})
 
 # %% [markdown]
 # ## Recap
@@ -137,10 +163,12 @@ claim("in the FSDP q/v run every B matrix is zero at step 0, so every A matrix g
 # %%
 if nb.bitwise_parity_expected(N):
     claim(f"on this CPU, for 3 steps at {N} ranks, the aligned pair trains a LoRA on o_proj/down_proj bit for bit",
-          same.identical and same.tensor is None and same.steps == 3)
+          same.identical and same.tensor is None and same.steps == 3, steps=same.steps,
+          traced_tensors=len(traced[0]))
     claim("with the adapter on q_proj/v_proj it parts from step 1, by a small amount, in the local gradients of every "
-          "layer but the last", qv.first_step == qv.tensor.step == 1 and rel < 1e-3
-          and {n.split(".layers.")[1].split(".")[0] for n in parted} == {str(i) for i in range(layers - 1)})
+          "layer but the last", qv.first_step == qv.tensor.step == 1 and rel < 1e-3 and parted_slots == want,
+          first_step=qv.first_step, relative_difference=rel,
+          layers_parted=sorted({int(i) for i, _, _ in parted_slots}), of_layers=layers)
 
 # %% [markdown]
 # Why the layers part in that pattern is the reading above, not traced here.

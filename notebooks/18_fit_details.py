@@ -125,8 +125,10 @@ WALK = walk.read("18", ROWS)  # {row: {micro-batch: summary}}
 PLAN = {f"{key}_b{b}": (*ROWS[key][:3], b, ROWS[key][3])  # run name: (label, checkpointing, config, b, predicted)
         for key, runs in WALK.items() for b in runs}
 RESULT = {f"{key}_b{b}": s for key, runs in WALK.items() for b, s in runs.items()}  # run name: its summary
-claim("every run either completed within the budget or was stopped by it (none failed another way)",
-      not walk.failures(WALK), failed_otherwise=walk.failures(WALK))
+ends = {n: (r["status"], r["memory_budget_fits"]) for n, r in RESULT.items()}
+claim("every run either completed with its budget check passed or was stopped by the budget (none failed another way)",
+      not walk.failures(WALK) and all(e in (("completed", True), ("failed", False)) for e in ends.values()),
+      failed_otherwise=walk.failures(WALK), completed=sorted(n for n, (st, _) in ends.items() if st == "completed"))
 
 
 def job(name):  # a run's summary.json and config.json, also when the budget stopped it
@@ -146,14 +148,17 @@ ran(f"every walk job trained {MODEL} at sequence {SEQ} for two steps on {NPROC} 
     steps=2, world_size=NPROC, memory_budget_bytes=int(BUDGET_GIB * 2**30),
     **({} if GPUS else {"peak_tensor_source": "profiler memory events (CPU allocator)"}))
 kind = {n: j.summary["activation_checkpointing"] or "" for n, j in JOBS.items()}  # what the job turned on
-claim("each row ran its config, checkpointing on exactly in the checkpointed rows: FSDP's from "
+claim("each row ran its config, checkpointing on exactly in the checkpointed rows: FSDP's checkpoint_wrapper from "
       "fsdp_activation_checkpointing, DeepSpeed's the model's own gradient checkpointing, from zero3_ac.json's section; "
       "DeepSpeed's reduce_bucket_size is BUCKET", all(j.summary["config"] == PLAN[n][2] and bool(kind[n]) == PLAN[n][1]
                                                         for n, j in JOBS.items())
-      and all(j.config["fsdp"]["activation_checkpointing"] == PLAN[n][1] for n, j in JOBS.items() if j.config["fsdp"])
+      and all(j.config["fsdp"]["activation_checkpointing"] == PLAN[n][1] == ("checkpoint_wrapper" in kind[n])
+              and "gradient_checkpointing" not in kind[n] for n, j in JOBS.items() if j.config["fsdp"])
       and all(("gradient_checkpointing" in kind[n]) == ("activation_checkpointing" in j.config["deepspeed"]["json"])
-              == PLAN[n][1] and j.config["deepspeed"]["json"]["zero_optimization"]["reduce_bucket_size"] == BUCKET
-              for n, j in JOBS.items() if j.config["deepspeed"]), checkpointing=sorted(set(kind.values()) - {""}))
+              == PLAN[n][1] and "checkpoint_wrapper" not in kind[n]
+              and j.config["deepspeed"]["json"]["zero_optimization"]["reduce_bucket_size"] == BUCKET
+              for n, j in JOBS.items() if j.config["deepspeed"]),
+      checkpointing={k: sorted({kind[n] or "off" for n in PLAN if n.rsplit("_b", 1)[0] == k}) for k in ROWS})
 claim("each row started at its predicted batch and moved one sequence a job until a batch that fits sat next to one "
       "that does not", all(walk.walked(WALK[k], ROWS[k][3]) for k in ROWS), jobs={k: sorted(v) for k, v in WALK.items()})
 copied = sorted(n for n, j in JOBS.items() if j.summary["reused_from"])
@@ -182,14 +187,21 @@ claim("activation checkpointing fits more under every method run here that fits 
       without=[int(by[(m, "no")]) for m in METHODS], checkpointed=[int(by[(m, "yes")]) for m in METHODS])
 plain = [k for k in ROWS if not k.endswith("_ac")]
 answers = {k: (walk.largest(WALK[k]), walk.largest(w)) for k, w in walk.read("08", plain).items()}
+again = {n: (RESULT[n]["memory_budget_fits"], json.loads((RUNS / f"08_{n}" / "summary.json").read_text())["memory_budget_fits"])
+         for n, j in JOBS.items() if not j.summary["reused_from"] and n.rsplit("_b", 1)[0] in plain
+         and (RUNS / f"08_{n}" / "summary.json").exists()}  # jobs that ran again here: (fits here, fits in 08)
 claim("without checkpointing each answer is notebook 08's, or one away from it (a peak at the budget can land on "
-      "either side)", all(abs(a - b) <= 1 for a, b in answers.values()), here_and_in_08=answers)
+      "either side); an FSDP row's fitting job is 08's own (copied), so there only the jobs that ran again could move it",
+      all(abs(a - b) <= 1 for a, b in answers.values())
+      and all(JOBS[f"{k}_b{a}"].summary["reused_from"] for k, (a, _) in answers.items() if ROWS[k][0] != DS and a),
+      here_and_in_08=answers, ran_again_fits_here_and_in_08=again)
 if not GPUS:
     ds_rows = TABLE["method"] == DS
     gap = TABLE["predicted"] - TABLE["largest (runs)"]
-    claim("every FSDP prediction is within two micro-batches of the runs' answer; DeepSpeed ZeRO-3's are at or above "
-          "it, by at most three (the estimator counts fewer bytes than its runs hold: the peaks table below)",
-          gap[~ds_rows].abs().max() <= 2 and gap[ds_rows].between(0, 3).all(),
+    # seen: FSDP gaps 0, -1, 1, 1 (full) and 0, -1, 0, 1 (quick); DeepSpeed 1, 2 (full) and 1, 1 (quick)
+    claim("every FSDP prediction is within one micro-batch of the runs' answer; DeepSpeed ZeRO-3's are at or above "
+          "it, by at most two (the estimator counts fewer bytes than its runs hold: the peaks table below)",
+          gap[~ds_rows].abs().max() <= 1 and gap[ds_rows].between(0, 2).all(),
           fsdp_predicted_minus_runs=gap[~ds_rows].tolist(), deepspeed=gap[ds_rows].tolist())
 
 # %% [markdown]
@@ -292,11 +304,10 @@ pairs = [(x, y) for c in ("full_shard", "full_shard_ac")  # the same job twice, 
 repeat = max(abs(x - y) / min(x, y) for x, y in pairs)
 print(f"median |error| {median:.2f}% over {len(PEAKS)} runs; the same job twice (the timing runs), per rank: "
       f"{[(round(x / 2**20, 2), round(y / 2**20, 2)) for x, y in pairs]} MiB, {100 * repeat:.2f}% apart at most")
-claim(f"every run here measured its peak on each of its {NPROC} ranks", all(
-    len(summary(n)["peak_tensor_bytes"]) == NPROC and min(summary(n)["peak_tensor_bytes"]) > 0 for n in names), runs=len(names))
-# 7% on a CPU for the median: a peak moves by some percent between identical jobs (the line above; single rows of
-# the grid table below move further); 10% on a GPU (not yet run on one)
-bound = 10 if GPUS else 7
+print("ranks with a peak, per run:", sorted({len(summary(n)["peak_tensor_bytes"]) for n in names}))
+# 5% on a CPU for the median (seen: 3.66% full, 4.08% quick): a peak moves by some percent between identical jobs
+# (the line above; single rows of the grid table below move further); 10% on a GPU (not yet run on one)
+bound = 10 if GPUS else 5
 claim(f"the median error is within {bound}%", median <= bound, median_pct=median)
 is_ds = PEAKS["run"].str.startswith("zero3_bucket")
 ds_med, fsdp_med = statistics.median(PEAKS.loc[is_ds, "error %"]), statistics.median(PEAKS.loc[~is_ds, "error %"])
@@ -310,9 +321,13 @@ for c in ("full_shard", "full_shard_ac"):
     moved[f"time_{c}_1"] = moved[f"time_{c}_2"] = 100 * max(abs(x - y) / min(x, y) for x, y in zip(a, b))
 beyond = {r: (e, moved.get(r)) for r, e in zip(PEAKS.loc[~is_ds, "run"], PEAKS.loc[~is_ds, "error %"].round(2))
           if abs(e) > 10}
-claim("every FSDP row is within 10%, or is one of two identical jobs whose peaks moved between them by more than "
-      "the row's excess over 10%", all(m is not None and m > abs(e) - 10 for e, m in beyond.values()),
-      beyond_10pct={r: {"error": e, "moved": None if m is None else round(m, 1)} for r, (e, m) in beyond.items()})
+fsdp_worst = PEAKS.loc[~is_ds].loc[PEAKS.loc[~is_ds, "error %"].abs().idxmax()]
+claim("every FSDP row is within 10%" + ("" if not beyond else ", or is one of two identical jobs whose peaks moved "
+                                       "between them by more than the row's excess over 10%"),
+      all(m is not None and m > abs(e) - 10 for e, m in beyond.values()),
+      worst={fsdp_worst["run"]: round(fsdp_worst["error %"], 2)},
+      **({"beyond_10pct": {r: {"error": e, "moved": None if m is None else round(m, 1)} for r, (e, m) in beyond.items()}}
+         if beyond else {}))
 
 # %% [markdown]
 # What the estimator leaves out (from its module doc, `helpers/estimate.py`, `benchmarks/estimate_grid.py`'s
@@ -409,8 +424,9 @@ claim("scored without their bucket, the ZeRO-1/2/3 rows err more than the others
       zero_median_pct=100 * g.loc[has_bucket, "abs_rest"].median(), others_median_pct=100 * g.loc[~has_bucket, "abs"].median())
 share = pd.Series([min(b / m for b, m in zip(bs, ms)) for bs, ms in zip(g["comm_buckets"], g["measured"])], index=g.index)
 on_small = has_bucket & g["model"].isin(["tiny", "small"])
-claim("the rows with a bucket are the ZeRO-1/2/3 rows (hpZ included), DeepSpeed's default on every rank (5e8 bf16 "
-      "elements; no shipped config sets reduce_bucket_size); on tiny and small it is most of every rank's peak",
+claim("the rows with a bucket are the ZeRO-1/2/3 rows (hpZ included), counted on every rank at DeepSpeed's default "
+      "(5e8 elements, 2 bytes each; no shipped config sets reduce_bucket_size); on tiny and small it is most of every "
+      "rank's measured peak",
       set(g.loc[has_bucket, "mode"]) == {"zero1", "zero2", "zero3", "zero3_hpz"}
       and all(b == 5e8 * 2 for bs in g.loc[has_bucket, "comm_buckets"] for b in bs)
       and not any(j.deepspeed and "reduce_bucket_size" in j.deepspeed.json.get("zero_optimization", {})
@@ -478,10 +494,10 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   three methods run here. It left the losses bit-identical on this CPU (the FULL_SHARD timing pair); its
 #   recompute cost is printed with a timing verdict (slower or faster only where every run of one
 #   side is beyond every run of the other and the steps' quartiles part), not checked.
-# * The estimator's prediction was within two micro-batches of the runs' answer on the FSDP
-#   rows and zero to three above it on DeepSpeed's. Its median peak error over this notebook's runs was
-#   within 7% on this CPU (the check above); every FSDP row was within 10%, or one of two identical jobs whose peaks moved
-#   between them by more than its excess; every small-bucket DeepSpeed row was
+# * The estimator's prediction was within one micro-batch of the runs' answer on the FSDP
+#   rows and zero to two above it on DeepSpeed's. Its median peak error over this notebook's runs was
+#   within 5% on this CPU (the check above); every FSDP row was within 10% or, where not, one of two identical jobs whose
+#   peaks moved between them by more than its excess (the check above prints the worst); every small-bucket DeepSpeed row was
 #   under-predicted, their median error further from zero than the FSDP rows'.
 # * Over the stored grid, nine rows in ten or more were within 10% on their worst rank and the
 #   median row within 5% (scored without their bucket, the ZeRO-1/2/3 rows erred more than the

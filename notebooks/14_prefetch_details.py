@@ -66,20 +66,23 @@ print(f"size={SIZE}: model {MODEL} on {NPROC} ranks ({'GPU' if GPUS else 'CPU, g
 # %%
 PF = {"FSDP no prefetch": "14_full_shard_no_prefetch", "FSDP prefetch": "14_full_shard_prefetch",
       "ZeRO-3 no prefetch": "14_zero3_no_prefetch", "ZeRO-3 prefetch": "14_zero3_prefetch"}
+PF_CONFIG = {"FSDP no prefetch": "fsdp/full_shard_no_prefetch", "FSDP prefetch": "fsdp/full_shard_prefetch",
+             "ZeRO-3 no prefetch": "deepspeed/zero3_no_prefetch", "ZeRO-3 prefetch": "deepspeed/zero3_prefetch"}  # the table
 pf = {k: results.load_run(f"notebooks/runs/{v}") for k, v in PF.items()}
 
 
-def profiled(runs, what):
-    """Claim the jobs' setup: short, profiled (a trace per rank of steps 2 and 3), and the configs the table names."""
+def profiled(runs, configs, what):
+    """Claim the jobs' setup: short, profiled (a trace per rank of steps 2 and 3), and each label's config in the
+    table ({label: config}), as the job recorded it."""
     ran(f"{what}: {STEPS} steps of {MODEL}, each rank tracing steps 2 and 3", runs.values(), model=MODEL,
         steps=STEPS, world_size=NPROC, dist_backend="nccl" if GPUS else "gloo", profiled_steps=[2, 3])
-    claim(f"{what}: every rank wrote its trace, and each job ran its table row's config",
+    claim(f"{what}: every rank wrote its trace, and each run's recorded config is the one the table gives its label",
           all((r.path / f"trace_rank{i}.json").exists() for r in runs.values() for i in range(NPROC))
-          and all(r.summary["config"].endswith(f"/{r.name[3:]}.yaml") for r in runs.values()),
-          configs=[r.summary["config"] for r in runs.values()])
+          and all(r.summary["config"] == f"launch_configs/{configs[k]}.yaml" for k, r in runs.items()),
+          configs={k: r.summary["config"].split("/", 1)[1] for k, r in runs.items()})
 
 
-profiled(pf, "notebook 04's four settings")
+profiled(pf, PF_CONFIG, "notebook 04's four settings")
 reused("a job reused from notebook 04 is its twin there, with the same config (all but --out), job key and losses; "
        "the others ran here", pf.values(), lambda r: f"notebooks/runs/04{r.name[2:]}")
 
@@ -136,13 +139,28 @@ utab.insert(3, "expected_reduce_scatters", [wrap.expected_collectives(u, True)["
                                            for u in units.values()] + [None, None])
 utab = utab.astype({c: "Int64" for c in ("units", "expected_all_gathers", "expected_reduce_scatters")})  # counts
 utab["MB_per_all_gather"] = utab.all_gather_MB / utab.all_gathers
-profiled({k: r for k, r in wr.items() if k != "transformer blocks"}, "the three other FSDP unit choices")
+profiled({k: r for k, r in wr.items() if k != "transformer blocks"}, {k: c for k, (c, _) in WRAP.items()},
+         "the three other FSDP unit choices")
 fwd = {k: r.config["fsdp"]["forward_prefetch"] for k, r in wr.items()}
 claim("of the four unit choices only the transformer-blocks row (04's prefetch config) sets forward prefetch",
       fwd == {k: k == "transformer blocks" for k in wr}, forward_prefetch=fwd)
-head = [u for u in units["size-based"] if u.name == "lm_head"]
-claim("SIZE_BASED_WRAP makes lm_head a unit that reshards like any other", len(head) == 1 and head[0].reshard,
-      lm_head=head)
+
+
+def gathers_per_step(run):
+    """{unit: all-gathers per profiled step}, rank 0, from FSDP2's trace labels `FSDP::all_gather (unit)`."""
+    names = [e["name"] for e in traces.raw_trace(run, 0)["traceEvents"]
+             if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"]
+    n = sum(x.startswith("ProfilerStep#") for x in names)
+    return {x[len("FSDP::all_gather ("):-1]: names.count(x) / n for x in sorted(set(names))
+            if x.startswith("FSDP::all_gather (")}
+
+
+per_unit = {k: gathers_per_step(r) for k, r in wr.items()}
+claim("in the size-based job's trace lm_head is a unit of its own, gathered twice per step (forward, then backward) "
+      "like every other unit gathered there; in the blocks row the norm + head unit is gathered once per step",
+      per_unit["size-based"].get("lm_head") == 2 and set(per_unit["size-based"].values()) == {2}
+      and per_unit["transformer blocks"].get("model.norm, lm_head") == 1,
+      size_based=per_unit["size-based"], blocks=per_unit["transformer blocks"])
 print("\n".join(ln for ln in (wr["size-based"].path / "log.txt").read_text().splitlines()
                 if ln.startswith("note: fsdp_auto_wrap_policy")))  # where the guide differs, the job said so
 utab.round(3)
@@ -188,10 +206,14 @@ pft = traces.collective_table([pf["FSDP no prefetch"], pf["FSDP prefetch"]], lab
 claim("FSDP's counts do not depend on prefetch (so the other unit choices' counts compare with the blocks row)",
       (pft.all_gathers.nunique(), pft.reduce_scatters.nunique()) == (1, 1),
       all_gathers=pft.all_gathers.astype(int).to_dict(), reduce_scatters=pft.reduce_scatters.astype(int).to_dict())
-no_reshard = utab.loc["blocks, no reshard", "all_gathers"] < utab.loc["transformer blocks", "all_gathers"]
-claim("not resharding after forward saves the backward gathers", no_reshard,
+regathered = sum(v - 1 for v in per_unit["transformer blocks"].values())  # units gathered again in backward
+saved = int(utab.loc["transformer blocks", "all_gathers"] - utab.loc["blocks, no reshard", "all_gathers"])
+no_reshard = saved == regathered > 0 and set(per_unit["blocks, no reshard"].values()) == {1}
+claim("not resharding after forward saves exactly the backward gathers: the no-reshard job gathers each unit once "
+      "per step, and its saving equals the units the blocks row gathers a second time", no_reshard,
       no_reshard=int(utab.loc["blocks, no reshard", "all_gathers"]),
-      reshard=int(utab.loc["transformer blocks", "all_gathers"]))
+      reshard=int(utab.loc["transformer blocks", "all_gathers"]), gathered_again_with_reshard=regathered,
+      per_unit_no_reshard=per_unit["blocks, no reshard"])
 log = (wr["size-based"].path / "log.txt").read_text()
 claim("the size-based job's log says where the guide differs from accelerate launch",
       "model.layers (ModuleList) passes Accelerate's policy" in log and "model.norm is inside a unit" in log)
@@ -208,6 +230,7 @@ claim("the size-based job's log says where the guide differs from accelerate lau
 # in which the training thread itself called a collective (the trace nests the call in it),
 # and the cell splits it off from the rest.
 # (ZeRO-3's gathers are asynchronous, FSDP2's synchronous.) <!-- fact: deepspeed.zero3_async_all_gather --> <!-- fact: torch.fsdp2_gathers_synchronous -->
+# So the check is on ZeRO-3's rows; FSDP's are printed as context.
 # On a GPU (not checked here) it is the overlap prefetch buys. <!-- fact: torch.gpu_collectives_own_stream -->
 
 # %%
@@ -221,11 +244,14 @@ for name, r in pf.items():
     print(f"{name:20s} comm {busy['comm']:7.1f} ms, compute {busy['compute']:7.1f} ms, both at once "
           f"{both:7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it inside an operator that "
           f"called a collective: {'-' if inside is None else f'{inside:.1f} ms'}")
-waiting = (bool(in_calls) and all(v > 0.9 for v in in_calls.values()))
+zero_in = {k: v for k, v in in_calls.items() if k.startswith("ZeRO-3")}
+waiting = bool(zero_in) and all(v > 0.9 for v in zero_in.values())  # 0.992 (full), 0.998 (quick): a share of timings
 if not GPUS:
-    claim("wherever rank 0 both computed and communicated for over 1 ms, over 90% of that time fell inside an "
-          "operator in which the training thread itself called a collective, not in compute beside a transfer",
-          waiting, share_inside=in_calls)
+    print("FSDP rows, context, not a test (FSDP2's gathers are synchronous: the thread waits in each):",
+          {k: v for k, v in in_calls.items() if k not in zero_in})
+    claim("ZeRO-3 (asynchronous gathers): wherever rank 0 both computed and communicated for over 1 ms, over 90% of "
+          "that time fell inside an operator in which the training thread itself called a collective, not in compute "
+          "beside a transfer", waiting, share_inside=zero_in)
 
 # %% [markdown]
 # ## 3 · `--compile`
@@ -277,17 +303,25 @@ if SIZE == "full":
         print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s (steps 1-5); "
               f"final loss {r.summary['final_loss']:.4f}")
     f, d = (comp[k].summary["losses"] for k in ("full_shard", "zero3"))
-    alike = all(abs(a - b) < 2e-2 for a, b in zip(f, d))
-    claim("compiled FSDP and DeepSpeed train alike (within 0.02 per step; uncompiled they are bit-identical, "
+    gap = max(abs(a - b) for a, b in zip(f, d))
+    alike = gap < 5e-3  # observed 0.00056 at full size (the compiled pair does not run at quick)
+    claim("compiled FSDP and DeepSpeed train alike (within 0.005 per step; uncompiled they are bit-identical, "
           "notebook 02; compiled, each side runs its own graphs: per block vs the whole engine)",
-          alike, max_gap=max(abs(a - b) for a, b in zip(f, d)))
+          alike, max_gap=gap)
     learn = all(x[-1] < x[0] - 0.5 for x in (f, d))
     claim("both compiled runs learn (loss down by over 0.5)", learn, fsdp=[f[0], f[-1]], deepspeed=[d[0], d[-1]])
-    slow_first = all(r.metrics.step_time_s.iloc[0] > 3 * r.metrics.step_time_s.iloc[1:].median()
-                     for r in comp.values())
-    claim("the first step carries the compile time (over 3x the median of the rest)", slow_first,
-          first_over_median={k: round(r.metrics.step_time_s.iloc[0] / r.metrics.step_time_s.iloc[1:].median(), 1)
-                             for k, r in comp.items()})
+    def first(r):
+        """step 0's time over step 1's."""
+        return r.metrics.step_time_s.iloc[0] / r.metrics.step_time_s.iloc[1]
+
+    plain = {"full_shard": pf["FSDP prefetch"], "zero3": pf["ZeRO-3 prefetch"]}  # uncompiled; profiled from step 2
+    ratio = {k: (round(first(comp[k]), 1), round(first(plain[k]), 2)) for k in comp}
+    # step 0 / step 1, compiled vs uncompiled: FSDP 6.7 vs 1.19, ZeRO-3 16.0 vs 1.24 (full size only)
+    slow_first = (all(c > 3 and u < 2 for c, u in ratio.values())
+                  and all(comp[k].summary["tokens_per_step"] == plain[k].summary["tokens_per_step"] for k in comp))
+    claim("the first step carries the compile time: compiled, step 0 takes over 3x step 1; uncompiled (this "
+          "notebook's prefetch jobs, same model and tokens per step), under 2x", slow_first,
+          step0_over_step1_compiled_uncompiled=ratio)
     facts.show("torch.dynamo_recompile_limit")
     # each warning names the function dynamo gave up on on its next line: "function: 'NAME' (FILE:LINE)"
     gave_up = {k: re.findall(r"recompile_limit.*\n.*function: '(\w+)' \(([^:]+)",
@@ -300,8 +334,9 @@ if SIZE == "full":
     # the line after "function:" is the guard that failed on the last call: a value the previous calls did not have
     why = re.findall(r"recompile_limit.*\n.*function: '\w+'.*\n.*last reason: [\d/]+: (.+?)\s{2,}#",
                      Path("notebooks/runs/14_compile_zero3.stderr").read_text())
-    claim("each of those warnings names the guard that failed: a value that changed from call to call",
-          len(why) == len(gave_up["zero3"]) > 0, guards=sorted({re.sub(r"\d{6,}", "ID", g) for g in why}))
+    claim("each of those warnings names the guard that failed on its last call (printed)",
+          len(why) == len(gave_up["zero3"]) > 0, warnings=len(gave_up["zero3"]), guard_lines=len(why),
+          guards=sorted({re.sub(r"\d{6,}", "ID", g) for g in why}))
 else:
     print("skipped at GUIDE_SIZE=quick")
 
@@ -315,13 +350,17 @@ ran(f"model {MODEL}, {NPROC} ranks, {'GPU (nccl)' if GPUS else 'CPU (gloo)'}",
 print("units: " + ", ".join(f"{k} {len(units[k])} units -> {int(utab.loc[k, 'all_gathers'])} gathers" for k in wr))
 claim("each FSDP unit choice's collectives are exactly what its units predict: smaller units mean more, smaller "
       "gathers; without policy units the root gathers every block at once; not resharding after forward saves the "
-      "backward gathers", exact and smaller and root_all and no_reshard)
+      "backward gathers", exact and smaller and root_all and no_reshard,
+      all_gathers=rows.all_gathers.astype(int).to_dict(), MB_per_gather=utab.MB_per_all_gather[:2].round(4).to_dict(),
+      no_wrap_largest_MB=utab.loc["no wrap", "largest_all_gather_MB"], blocks_MB=blocks_mb)
 if not GPUS:
-    claim("on gloo, wherever rank 0 both computed and communicated for over 1 ms, over 90% of that time was inside an "
-          "operator in which the training thread called a collective: that part is not overlap", waiting)
+    claim("on gloo, wherever ZeRO-3's rank 0 both computed and communicated for over 1 ms, over 90% of that time was "
+          "inside an operator in which the training thread called a collective: that part is not overlap", waiting,
+          share_inside=zero_in)
 if SIZE == "full":
     claim("compiled, both backends train and stay close; the first step carries the compile time, and only ZeRO-3's "
-          "hooks hit dynamo's recompile limit", alike and learn and slow_first and only_zero)
+          "hooks hit dynamo's recompile limit", alike and learn and slow_first and only_zero,
+          max_gap=gap, step0_over_step1_compiled_uncompiled=ratio, recompile_warnings={k: len(v) for k, v in gave_up.items()})
 else:
     print("compiled pair: skipped at GUIDE_SIZE=quick")
 

@@ -245,7 +245,7 @@ print("launch config: (its distributed_type, the backend the job ran; helpers.tr
 print(f"with the precision settings aligned, FSDP FULL_SHARD and ZeRO-3 {agree} at every step (checked above, "
       f"largest gap {gap})")
 peak = "measured at its start" if not GPUS else "from the GPU table"
-claim(f"each job's MFU divides by its own peak, {peak}", all(
+claim(f"each job's peak (MFU's denominator) was {peak}", all(
     r.summary["peak_flops_source"].startswith("measured" if not GPUS else "table") for r in (fsdp, ds)),
     sources=[r.summary["peak_flops_source"] for r in (fsdp, ds)],
     peak_GFLOPs=[r.summary["peak_flops"] / 1e9 for r in (fsdp, ds)])
@@ -254,7 +254,7 @@ claim(f"each job's MFU divides by its own peak, {peak}", all(
 # * Later notebooks read run directories like this one (how their code works; not checked here).
 # * The step times above are one run each (the commands above): not a speed comparison of the
 #   backends (notebook 07 compares them with repeated steps and says when a difference is
-#   above the noise). Nor is MFU, which divides by each job's own peak (checked above).
+#   above the noise). Nor is MFU, which divides by each job's own peak (on a CPU, measured at its start: checked above).
 # * More in the deep dive `10_launching_details`: a bump in the loss, and the learning rate it comes with.
 #
 # Next: `01_sharding` — what each rank actually holds under each FSDP strategy and ZeRO stage.

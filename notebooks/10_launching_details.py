@@ -53,8 +53,8 @@ print(f"size={SIZE}: {STEPS} steps on {NPROC} ranks")
 # ## The bump
 #
 # The loss jumps at step 9 and is back the step after, in both backends, with a large gradient
-# norm at that step (checked below on 2 CPU ranks; with another rank count each rank draws another
-# slice of the batch, so the bump may fall elsewhere: not run here).
+# norm at that step (checked below on 2 CPU ranks; with another rank count the global batch changes,
+# so the bump may fall elsewhere: not run here).
 
 # %%
 fsdp, ds = results.load_runs("notebooks/runs/10_fsdp", "notebooks/runs/10_deepspeed")
@@ -130,6 +130,6 @@ if SIZE == "full":  # 12 quick steps at 1e-3 do not get that far
 #   and is back at step 10 (checked on 2 CPU ranks).
 # * At a third of the rate no step raises the loss by more than 0.1: in these runs (one seed, one other
 #   rate, FSDP only) the bump comes with the rate.
-#   Why one Adam step overshoots there is our reading, not measured.
+#   That one Adam step overshoots there is our reading, not measured.
 #
 # Back to the path: `01_sharding`.

@@ -109,8 +109,8 @@ def ratios(m, ws, category=None):
 
 
 for m, ws in [(m, ws) for m in ("full_shard", "zero3") for ws in (2, 4) if ws in WORLDS]:  # 4: full size
-    claim(f"{m}: each of {ws} ranks holds 1/{ws} of what 1 rank holds, within 0.1% (ZeRO-3's whole small params, "
-          "Adam's step counters)", all(abs(q * ws - 1) < 1e-3 for q in ratios(m, ws)), ratios=ratios(m, ws))
+    # within 0.1%, not exactly: a few bytes are whole on every rank (step counters; ZeRO-3's small params)
+    claim(f"{m}: each of {ws} ranks holds 1/{ws} of what 1 rank holds, within 0.1%", all(abs(q * ws - 1) < 1e-3 for q in ratios(m, ws)), ratios=ratios(m, ws))
 if "no_shard" in sweep_modes:
     claim("no_shard: 2 ranks each hold exactly what 1 rank holds", ratios("no_shard", 2) == [1, 1],
           ratios=ratios("no_shard", 2))
@@ -165,7 +165,7 @@ claim("ZeRO-1/2 gradients: each rank holds its 1/N slice of the one param group 
       "exactly the rest of the parameters straddling its slice's edges", (over.excess == over.counted).all(),
       max_ratio=over.groupby(["mode", "world_size"]).ratio.max().round(3).to_dict())
 z3 = mem[(mem["mode"] == "zero3") & (mem.category == "grads")]
-claim("ZeRO-3 has no such overhang: each rank holds exactly its 1/N of the gradients, at every world size",
+claim("ZeRO-3 has no such overhang: each rank holds exactly its 1/N of the gradients, at every world size run here",
       (z3.measured == z3.theory).all(), excess=(z3.measured - z3.theory).tolist())
 
 # %% [markdown]
@@ -208,12 +208,15 @@ norm0 = {r.summary["mode_key"]: float(r.metrics.grad_norm.iloc[0]) for r in runs
 claim(f"at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD give exactly FULL_SHARD's losses (the {len(at2['full_shard']['losses'])} "
       "steps of these runs)",
       all(at2[k]["losses"] == at2["full_shard"]["losses"] for k in ("zero1", "zero2", "no_shard")),
-      final={k: at2[k]["final_loss"] for k in ("full_shard", "no_shard", "zero1", "zero2")})
+      largest_gap=max(abs(a - b) for k in ("zero1", "zero2", "no_shard")
+                      for a, b in zip(at2[k]["losses"], at2["full_shard"]["losses"], strict=True)))
 others = max(abs(norm0[k] - norm0["no_shard"]) for k in ("full_shard", "zero1", "zero2"))
 grads = {k: at2[k]["memory_bytes"][0]["grads"] / at2[k]["num_params"] for k in ("zero0", "no_shard")}  # bytes/param
+last_bits = 2 * 2**-23 * norm0["no_shard"]  # two fp32 rounding steps at the norm's size
 claim("ZeRO-0 does not: its losses differ from NO_SHARD's, and its step-0 gradient norm differs from NO_SHARD's over "
-      "100x as much as any other mode's does",
-      at2["zero0"]["losses"] != at2["no_shard"]["losses"] and abs(norm0["zero0"] - norm0["no_shard"]) > 100 * others,
+      "100x as much as any other mode's does (theirs within two fp32 rounding steps of the norm: last bits)",
+      at2["zero0"]["losses"] != at2["no_shard"]["losses"] and abs(norm0["zero0"] - norm0["no_shard"]) > 100 * others
+      and others < last_bits, step0_norm_no_shard=norm0["no_shard"], two_fp32_steps=last_bits,
       final_zero0=at2["zero0"]["final_loss"], final_no_shard=at2["no_shard"]["final_loss"],
       step0_norm_gap_zero0=abs(norm0["zero0"] - norm0["no_shard"]), step0_norm_gap_others=others)
 claim("ZeRO-0 keeps 2 bytes of gradient per parameter (bf16), NO_SHARD 4 (fp32)", grads == {"zero0": 2, "no_shard": 4},
@@ -231,12 +234,13 @@ claim("ZeRO-0 keeps 2 bytes of gradient per parameter (bf16), NO_SHARD 4 (fp32)"
 # %%
 peaks = pd.DataFrame([{"mode": r.summary["mode_key"], "ranks": r.summary["world_size"],
                        "peak MiB (max over ranks)": max(r.summary["peak_memory_bytes"]) / 2**20,
+                       "peak MiB (rank 0)": r.summary["peak_memory_bytes"][0] / 2**20,
                        "state MiB (rank 0)": sum(r.summary["memory_bytes"][0].values()) / 2**20}
                       for r in runs if r.summary["world_size"] == 2]).set_index("mode").round(0)
-share = peaks["state MiB (rank 0)"] / peaks["peak MiB (max over ranks)"]
+share = peaks["state MiB (rank 0)"] / peaks["peak MiB (rank 0)"]  # one process: rank 0's state over its own peak
 print("what the jobs' peak is (their label for this device, a setting, not a measurement):",
       sorted({r.summary["peak_memory_source"] for r in runs}))
-claim("the state is under half of the process's peak in every 2-rank run here", (share < 0.5).all(),
+claim("rank 0's state is under half of its process's peak in every 2-rank run here", (share < 0.5).all(),
       state_over_peak=share.round(2).to_dict())
 peaks
 
@@ -267,6 +271,8 @@ facts.show("deepspeed.bf16_master_weights_option", "deepspeed.no_bf16_keeps_mode
 # fact: deepspeed.save_checkpoint_no_16bit
 # fact: accelerate.save_state_no_16bit_file
 # fact: torch.fsdp2_default_backward_prefetch
+# fact: torch.fsdp2_forward_prefetch_order
+# fact: accelerate.fsdp_state_dict_types
 # fact: accelerate.fsdp2_bf16_fp32_shards
 # fact: deepspeed.bf16_default_dtypes
 # fact: deepspeed.zero0_bf16_optimizer

@@ -94,8 +94,8 @@ ran("the three modes train the tiny model, loaded in bf16, on the same seeded ba
 # %% [markdown]
 # **What it shows.** Aligned FSDP and DeepSpeed draw one line; the low-precision run's drop is
 # under a third of theirs (checked below). The weights the optimizer updates are bf16 in the
-# low-precision run and fp32 in the other two; its gradients and Adam's states change with them,
-# and the aligned pair differs in what it stores (section 3 follows one weight through every stage).
+# low-precision run and fp32 in the other two; the gradients it reads and Adam's states change with them,
+# and the aligned pair differs in what it stores (section 3 follows one weight).
 # Our reading: the bf16 update is what slows it (the other dtype changes are not isolated here);
 # section 4 counts the updates.
 

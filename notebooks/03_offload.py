@@ -214,9 +214,9 @@ off = {label: [(held(label, r, "device") - expected(label)[0], held(label, r, "h
 claim("each offload run's bytes per place are the ZeRO model's for 1/N of the model: FSDP offload's whole fp32 state "
       "on the host; with DeepSpeed, the fp32 master, Adam's states, the bf16 grads and their fp32 copy on the host, "
       "the bf16 params too with offload_param, the rest and the persistent copies next to the compute (Adam's 4-byte "
-      "step counters aside)",
-      all(d == 0 and 0 <= h <= counters for v in off.values() for d, h in v),
-      bytes_over_model_device_host=off, counters_max=counters)
+      "step counters aside: one per tensor under FSDP, one per flat group under DeepSpeed)",
+      all(d == 0 and h == (counters if label == "FSDP offload" else 4) for label, v in off.items() for d, h in v),
+      bytes_over_model_device_host=off, fsdp_counters=counters)
 
 # %% [markdown]
 # ## 2 · Does it change training?

@@ -96,8 +96,9 @@ claim("tiny's count is 6 N + 12 L H Q T by hand (N = 456,320 without the embeddi
 SEEDS = pd.DataFrame({"tokens/s/device": [3158.7, 3094.5], "step time (s)": [10.4, 10.6], "MFU": [0.41, 0.40]},
                      index=["FSDP (aligned), 4x A100", "DeepSpeed ZeRO-3, 4x A100"])
 seed_mfu = 6 * 7e9 * SEEDS["tokens/s/device"] / 312e12
-claim("6 N x tokens/s / peak gives the write-up's MFU within 10% (\"7B\" is a rounded N)",
-      ((seed_mfu / SEEDS["MFU"] - 1).abs() < 0.1).all(), ours=seed_mfu.round(3).tolist(), write_up=SEEDS["MFU"].tolist())
+print("arithmetic on the write-up's own figures (typed in above, no run of ours): 6 x 7e9 x tokens/s / 312e12 =",
+      seed_mfu.round(3).tolist(), "against its MFU", SEEDS["MFU"].tolist(),
+      f"(at most {(seed_mfu / SEEDS['MFU'] - 1).abs().max():.1%} apart; \"7B\" is a rounded N)")
 
 # %% [markdown]
 # ## The write-up's table, on this machine
@@ -154,13 +155,16 @@ pd.concat([pair, SEEDS]).round(3)
 peaks = [r.summary["peak_flops"] for r in PAIR_RUNS]
 print("peak per rank, as each job measured it:", [throughput.fmt_flops(p) for p in peaks],
       f"(the largest {max(peaks) / min(peaks) - 1:.1%} above the smallest) -", fsdp.summary["peak_flops_source"])
-claim("every MFU is below 1 against a peak in the dtype the job's forward computes in"
-      + ("" if GPUS else ", measured by rank 0 alone: a 512x512 matmul on one thread, once per job"),
-      all(0 < r.summary["mfu"] < 1 and (f"dense {r.summary['dtypes']['forward_weight']}" if GPUS else
+# below 1: the peak must be a ceiling (a definition, not fitted; MFU is a ratio of timings and moves from run to run)
+claim("every MFU is below 1, against a peak in the dtype the job's forward computes in"
+      + ("" if GPUS else ", measured by rank 0 alone (a 512x512 matmul on one thread) in each job: four "
+         "different values"),
+      all(r.summary["mfu"] < 1 and (f"dense {r.summary['dtypes']['forward_weight']}" if GPUS else
                                          f"measured: 512x512 {r.summary['dtypes']['forward_weight']} matmul, "
                                          "1 thread(s), rank 0 alone") in r.summary["peak_flops_source"]
           for r in PAIR_RUNS) and (GPUS or len(set(peaks)) == len(PAIR_RUNS)),
-      mfu=[r.summary["mfu"] for r in PAIR_RUNS], compute=[r.summary["dtypes"]["forward_weight"] for r in PAIR_RUNS],
+      mfu=[r.summary["mfu"] for r in PAIR_RUNS], peaks=[throughput.fmt_flops(p) for p in peaks],
+      compute=[r.summary["dtypes"]["forward_weight"] for r in PAIR_RUNS],
       peak_sources=sorted({r.summary["peak_flops_source"].split(",")[0] for r in PAIR_RUNS}))
 if nb.bitwise_parity_expected(NPROC):  # bit for bit on a CPU (gloo); on GPUs see nb.bitwise_parity_expected
     claim("the four jobs do the same training (identical losses, as in notebook 00)",
@@ -170,12 +174,8 @@ else:
     claim("the four jobs do the same training (losses within 1e-2)", gap < 1e-2, largest_gap=gap)
 PAIR = timing_runs("FSDP", [fsdp, fsdp_2], "DeepSpeed", [ds, ds_2], metrics.WARMUP_STEPS)
 print(PAIR)
-a_runs, b_runs = PAIR.runs_a, PAIR.runs_b
-parted = ((min(a_runs) > max(b_runs) and PAIR.spread_a[0] > PAIR.spread_b[1])
-          or (max(a_runs) < min(b_runs) and PAIR.spread_a[1] < PAIR.spread_b[0]))
-claim(f"the verdict ('{PAIR.verdict}') names a faster backend only if every run of one is beyond every "
-      "run of the other and their steps' quartiles part", (PAIR.verdict != "within noise") == parted,
-      run_medians_ms={"FSDP": [round(x * 1e3) for x in a_runs], "DeepSpeed": [round(x * 1e3) for x in b_runs]})
+print("the verdict's rule (helpers.nb.claims.Timing, by design): it names a faster backend only if every run of one "
+      "is beyond every run of the other and their steps' quartiles part")
 if not GPUS:
     claim(f"tokens/s/device here is per rank: all {NPROC} ranks of each job ran on this one machine's CPU "
           f"({os.cpu_count()} cores)", all(r.summary["device"] == "cpu" and r.summary["num_nodes"] == 1
@@ -183,24 +183,28 @@ if not GPUS:
 mean_tps = {b: sum(r.summary["tokens_per_s_per_rank"] for r in runs) / 2
             for b, runs in (("FSDP", (fsdp, fsdp_2)), ("DeepSpeed", (ds, ds_2)))}
 print(f"FSDP / DeepSpeed tokens/s: {mean_tps['FSDP'] / mean_tps['DeepSpeed']:.2f} here (the mean of two runs each), "
-      f"{3158.7 / 3094.5:.2f} in the write-up")
-seed_gap = SEEDS["tokens/s/device"].iloc[0] / SEEDS["tokens/s/device"].iloc[1] - 1
-claim("the write-up's two figures (one number each, no spread) differ by 2%", 0.015 < seed_gap < 0.025, gap=seed_gap)
+      f"{3158.7 / 3094.5:.2f} in the write-up (its two figures: one number each, no spread)")
 tps = max(r.summary["tokens_per_s_per_rank"] for r in (fsdp, fsdp_2))  # FSDP's run with more tokens/s
 achieved = tps * fsdp.summary["flops_per_token"]
 peak = sorted(peaks)[len(peaks) // 2]  # the upper median of the four
-apart = [6 * 7e9 / fsdp.summary["flops_per_token"]] + ([] if GPUS else [312e12 / peak, 0.41 * 312e12 / achieved])
-claim(f"the absolute numbers are not comparable: an A100's 312 TFLOPS is {312e12 / peak:,.0f}x this "
-      f"{'GPU' if GPUS else 'CPU thread'}'s {fsdp.summary['dtypes']['forward_weight']} peak (the upper median of our four jobs'); achieved FLOP/s: the write-up's "
-      f"{0.41 * 312e12 / achieved:,.0f}x ours; FLOPs per token: Granite 7B's 6 N alone "
-      f"{apart[0]:,.0f}x tiny's ({'each ratio' if not GPUS else 'FLOPs per token'} over 1,000x)", min(apart) > 1000)
+print(f"FLOPs per token: Granite 7B's 6 N alone is {6 * 7e9 / fsdp.summary['flops_per_token']:,.0f}x tiny's "
+      "(from the two models' sizes, not from a run)")
+apart = {"peak": 312e12 / peak, "achieved": 0.41 * 312e12 / achieved}
+said = (f"an A100's 312 TFLOPS is {apart['peak']:,.{2 if GPUS else 0}f}x this {'GPU' if GPUS else 'CPU thread'}'s "
+        f"{fsdp.summary['dtypes']['forward_weight']} peak (the upper median of our four jobs'); achieved FLOP/s: the "
+        f"write-up's {apart['achieved']:,.0f}x ours")
+if GPUS:
+    print(said)
+else:  # both ratios have been over 10,000x here at either size; 1,000x leaves room for faster CPUs
+    claim(f"the absolute numbers are not comparable: {said} (each over 1,000x)", min(apart.values()) > 1e3,
+          **{k: round(v) for k, v in apart.items()})
 
 # %% [markdown]
 # **What it means.** Here the two backends give identical losses. Whether one was faster, in these
-# runs on this machine, is the verdict above (its rule is checked with it); the write-up's two figures differ by 2%.
+# runs on this machine, is the verdict above (its rule is printed with it); the write-up's two figures differ by 2%.
 # Each job measures its peak again, and the four can differ (by how much here: printed above); MFU divides by that
 # peak, so it moves with the peak as well as with tokens/s (the formula): compare the backends by tokens/s. "tokens/s/device" here
-# is per rank; on this machine the ranks share one CPU (checked above). The last check sets our absolute numbers beside the write-up's.
+# is per rank; on this machine the ranks share one CPU (checked above). The last lines set our absolute numbers beside the write-up's.
 #
 # ## What may limit MFU here (not measured), and what changes on a GPU node
 #

@@ -189,7 +189,7 @@ claim(f"per adapter parameter, rank 0 holds {sum(want['full_shard']):g} bytes of
 exact = table.state_exact[["full_shard", "zero2"]]
 claim("FSDP's and ZeRO-2's state on every rank equals the estimator's, to the byte", exact.all(), exact=exact.tolist())
 extra_B, partitions_B = round(table.zero3_extra_MiB["zero3"] * 2**20), 2 * (trainable_numel + sum(small.values())) // N
-claim(f"ZeRO-3 holds {extra_B / 2**20:.3f} MiB more than the estimator counts: exactly the 1/N partitions of the small "
+claim(f"ZeRO-3's rank 0 holds {extra_B / 2**20:.3f} MiB more params than the estimator counts: exactly the 1/N partitions of the small "
       "parameters it also keeps whole (the adapter's and the small frozen ones)", extra_B == partitions_B,
       extra_B=extra_B, partitions_B=partitions_B)
 
@@ -200,10 +200,10 @@ claim(f"ZeRO-3 holds {extra_B / 2**20:.3f} MiB more than the estimator counts: e
 # A frozen base also keeps fewer activations: a frozen layer's input is not needed for a weight
 # gradient (our reading; not measured here). The estimator traces the forward with fake tensors
 # (which compute nothing), with and without the adapter, and scales its activation formula by the
-# ratio (how it works; not checked here).
+# ratio (how it works; not checked here). Two of its terms come from listings of this setup (`helpers/estimate.py`).
 #
 # Here DeepSpeed's peaks sit near 1 GB: a fixed gradient bucket of `reduce_bucket_size` elements in
-# bf16 (DeepSpeed's default; these JSONs leave it unset) is allocated whole, on top of what the
+# bf16 (DeepSpeed's default; these JSONs leave it unset) <!-- fact: deepspeed.zero_bucket_defaults --> is allocated whole <!-- fact: deepspeed.zero3_bucket_allocated_whole -->, on top of what the
 # model needs (the estimator's `comm_buckets`, printed as `bucket_MiB`). For a model this small it
 # is most of the peak, so every row is also scored without it (`error_wo_bucket`).
 #
@@ -236,7 +236,7 @@ table["error"] = table.predicted_MiB / measured - 1
 table["error_wo_bucket"] = (table.predicted_MiB - measured) / (measured - table.bucket_MiB)
 print(table.filter(["peak_MiB", "peak_again_MiB", "predicted_MiB", "bucket_MiB", "error", "error_wo_bucket"]).round(3))
 ds = ["zero2", "zero3"]
-# DeepSpeed's peak above FSDP's, over 5e8 x 2 bytes: 0.995 and 1.051 (full), 0.999 and 1.001 (quick)
+# DeepSpeed's peak above FSDP's, over 5e8 x 2 bytes: within 7% of 1 over runs at either size (printed below)
 above = {n: (measured[n] - measured["full_shard"]) / (5e8 * 2 / 2**20) for n in ds}
 claim("DeepSpeed's peaks sit near 1 GB (0.95-1.2 GB), each above FSDP's by 5e8 elements of 2 bytes within 10% "
       "(DeepSpeed's default gradient bucket: these JSONs leave reduce_bucket_size unset)",
@@ -247,8 +247,10 @@ print("the estimator's bucket_MiB (its default, 5e8 elements x 2 bytes):", table
 wo = table.error_wo_bucket.abs()
 fits = {"with": (table.error.abs() <= 0.10).all(), "without": wo["full_shard"] <= 0.10 and wo["zero2"] <= 0.10
         and wo["zero3"] <= 0.20}
-claim("the estimator predicts the peak of each job in the table within 10% (on DeepSpeed's rows most of that peak is "
-      "the bucket: the next line scores them without it)", fits["with"],
+bucket_share = (table.bucket_MiB[ds] / measured[ds]).round(3).to_dict()
+claim("the estimator predicts the peak of each job in the table within 10% (on DeepSpeed's rows over half of that peak "
+      "is the bucket: the next line scores them without it)", fits["with"] and min(bucket_share.values()) > 0.5,
+      bucket_share=bucket_share,
       error=table.error.round(4).to_dict(), jobs_run_twice=int(table.filter(["peak_again_MiB"]).notna().sum().sum()))
 claim("without the bucket, FSDP and ZeRO-2 stay within 10%, ZeRO-3 within 20%", fits["without"],
       worst_wo_bucket=wo.round(3).to_dict())

@@ -107,11 +107,11 @@ reused("a job reused from notebook 04 is its twin there, with the same config (a
 #
 # The "transformer blocks" row is notebook 04's prefetch setting (`full_shard_prefetch.yaml`); the
 # other three configs do not set forward prefetch, so their step times and peaks are not a
-# like-for-like comparison with it (FSDP's counts are: prefetch changes none of them, checked below).
+# like-for-like comparison with it (FSDP's gather and reduce-scatter counts are: prefetch changes neither, checked below).
 #
 # Where the guide differs from `accelerate launch`, on purpose, the job log says so in a `note:`
 # line: with `SIZE_BASED_WRAP` the policy also picks `model.layers` (a `ModuleList`), which
-# torch's `fully_shard` refuses (there `accelerate launch` stops with an error), <!-- fact: torch.fsdp2_refuses_modulelist -->
+# torch's `fully_shard` refuses (there `accelerate launch` stops with an error), <!-- fact: torch.fsdp2_refuses_modulelist --> <!-- fact: accelerate.size_wrap_picks_module_list -->
 # and the final norm sits inside the `model.model` unit, where a unit of its own fails at
 # forward; <!-- fact: torch.fsdp2_unit_inside_unit_fails --> the guide
 # leaves both to the unit around them.
@@ -156,7 +156,7 @@ def gathers_per_step(run):
 
 
 per_unit = {k: gathers_per_step(r) for k, r in wr.items()}
-claim("in the size-based job's trace lm_head is a unit of its own, gathered twice per step (forward, then backward) "
+claim("in the size-based job's trace lm_head is a unit of its own, gathered twice per step "
       "like every other unit gathered there; in the blocks row the norm + head unit is gathered once per step",
       per_unit["size-based"].get("lm_head") == 2 and set(per_unit["size-based"].values()) == {2}
       and per_unit["transformer blocks"].get("model.norm, lm_head") == 1,
@@ -177,7 +177,7 @@ fig.tight_layout()
 # %% [markdown]
 # **Reading it.** Smaller units mean more, smaller all-gathers; without policy units the root
 # gathers every decoder block at once (`largest_all_gather_MB`) and, during forward and
-# backward, every rank holds all of them (by design: not measured). <!-- fact: torch.fsdp2_root_takes_the_rest --> Not resharding
+# backward, every rank holds all of them (by design: not measured). <!-- fact: torch.fsdp2_root_takes_the_rest --> <!-- fact: accelerate.fsdp2_keeps_root_tail_gathered --> Not resharding
 # after forward saves the backward gathers and (by design) keeps the blocks gathered in between. <!-- fact: torch.fsdp2_reshard_after_forward --> We claim nothing from the allocator's peak between unit choices (one job each, and
 # identical jobs' peaks differ: `18_fit_details`). The counts and sizes are exactly what the units predict:
 
@@ -192,9 +192,11 @@ claim("every unit choice's collectives are exactly what its units predict, in co
       all_gathers=rows.all_gathers.astype(int).to_dict(), expected=rows.expected_all_gathers.astype(int).to_dict(),
       all_gather_MB=rows.all_gather_MB.round(3).to_dict(), expected_MB={k: round(v, 3) for k, v in want_mb.items()})
 smaller = (utab.loc["size-based", "units"] > utab.loc["transformer blocks", "units"]
+           and utab.loc["size-based", "all_gathers"] > utab.loc["transformer blocks", "all_gathers"]
            and utab.loc["size-based", "MB_per_all_gather"] < utab.loc["transformer blocks", "MB_per_all_gather"])
 claim("smaller units mean more, smaller all-gathers (size-based against transformer blocks)", smaller,
-      units=utab.units[:2].to_dict(), MB_per_gather=utab.MB_per_all_gather[:2].round(4).to_dict())
+      units=utab.units[:2].to_dict(), all_gathers=utab.all_gathers[:2].astype(int).to_dict(),
+      MB_per_gather=utab.MB_per_all_gather[:2].round(4).to_dict())
 blocks_mb = units["no wrap"][-1].num_params * 2 / 1e6  # the root: all decoder blocks
 model_mb = sum(u.num_params for u in units["transformer blocks"]) * 2 / 1e6  # the whole model in bf16
 root_all = (utab.loc["no wrap", "units"] == 3
@@ -245,13 +247,13 @@ for name, r in pf.items():
           f"{both:7.1f} ms (rank 0, {len(r.summary['profiled_steps'])} steps), of it inside an operator that "
           f"called a collective: {'-' if inside is None else f'{inside:.1f} ms'}")
 zero_in = {k: v for k, v in in_calls.items() if k.startswith("ZeRO-3")}
-waiting = bool(zero_in) and all(v > 0.9 for v in zero_in.values())  # 0.992 (full), 0.998 (quick): a share of timings
+waiting = bool(zero_in) and all(v > 0.9 for v in zero_in.values())  # a share of timings: over 0.99 in runs so far
 if not GPUS:
     print("FSDP rows, context, not a test (FSDP2's gathers are synchronous: the thread waits in each):",
           {k: v for k, v in in_calls.items() if k not in zero_in})
     claim("ZeRO-3 (asynchronous gathers): wherever rank 0 both computed and communicated for over 1 ms, over 90% of "
-          "that time fell inside an operator in which the training thread itself called a collective, not in compute "
-          "beside a transfer", waiting, share_inside=zero_in)
+          "that time fell inside an operator in which the training thread itself called a collective (our reading: "
+          "waiting, not compute beside a transfer)", waiting, share_inside=zero_in)
 
 # %% [markdown]
 # ## 3 · `--compile`
@@ -272,7 +274,7 @@ if not GPUS:
 # ask for, <!-- fact: torch.fsdp2_params_stay_dtensors --> and Accelerate ignores the key under
 # `fsdp_version: 2`. <!-- fact: accelerate.fsdp2_ignores_use_orig_params -->
 #
-# Compiling costs a long first step (dynamo traces and inductor generates code for every graph: <!-- fact: torch.compile_on_first_call -->
+# Compiling costs a long first step (the first call traces and compiles: <!-- fact: torch.compile_on_first_call -->
 # the first step's time is printed below), so this section runs at full size only (`GUIDE_SIZE=quick` skips it; the
 # committed notebook shows the full run, on the tiny model). On this CPU we check that
 # compiled training trains, that the two backends stay close, that the first step carries the
@@ -297,14 +299,15 @@ if SIZE == "full":
     ran("the compiled pair: 6 steps of the tiny model each, compiled", comp.values(), model="tiny", steps=6,
         compile=True, world_size=NPROC)
     claim("the compiled pair ran the table's two configs", [r.summary["config"] for r in comp.values()]
-          == ["launch_configs/fsdp/full_shard.yaml", "launch_configs/deepspeed/zero3.yaml"])
+          == ["launch_configs/fsdp/full_shard.yaml", "launch_configs/deepspeed/zero3.yaml"],
+          configs=[r.summary["config"] for r in comp.values()])
     for k, r in comp.items():
         t = r.metrics.step_time_s
         print(f"{k:10s} compiled: first step {t.iloc[0]:6.1f} s (compiling), then median {t.iloc[1:].median():.2f} s (steps 1-5); "
               f"final loss {r.summary['final_loss']:.4f}")
     f, d = (comp[k].summary["losses"] for k in ("full_shard", "zero3"))
     gap = max(abs(a - b) for a, b in zip(f, d))
-    alike = gap < 5e-3  # observed 0.00056 at full size (the compiled pair does not run at quick)
+    alike = gap < 5e-3  # under 1e-3 in runs so far (the compiled pair runs at full size only)
     claim("compiled FSDP and DeepSpeed train alike (within 0.005 per step; uncompiled they are bit-identical, "
           "notebook 02; compiled, each side runs its own graphs: per block vs the whole engine)",
           alike, max_gap=gap)
@@ -316,7 +319,7 @@ if SIZE == "full":
 
     plain = {"full_shard": pf["FSDP prefetch"], "zero3": pf["ZeRO-3 prefetch"]}  # uncompiled; profiled from step 2
     ratio = {k: (round(first(comp[k]), 1), round(first(plain[k]), 2)) for k in comp}
-    # step 0 / step 1, compiled vs uncompiled: FSDP 6.7 vs 1.19, ZeRO-3 16.0 vs 1.24 (full size only)
+    # step 0 / step 1: compiled several times over 3, uncompiled near 1 in runs so far (full size only)
     slow_first = (all(c > 3 and u < 2 for c, u in ratio.values())
                   and all(comp[k].summary["tokens_per_step"] == plain[k].summary["tokens_per_step"] for k in comp))
     claim("the first step carries the compile time: compiled, step 0 takes over 3x step 1; uncompiled (this "
@@ -355,7 +358,7 @@ claim("each FSDP unit choice's collectives are exactly what its units predict: s
       no_wrap_largest_MB=utab.loc["no wrap", "largest_all_gather_MB"], blocks_MB=blocks_mb)
 if not GPUS:
     claim("on gloo, wherever ZeRO-3's rank 0 both computed and communicated for over 1 ms, over 90% of that time was "
-          "inside an operator in which the training thread called a collective: that part is not overlap", waiting,
+          "inside an operator in which the training thread called a collective (our reading: not overlap)", waiting,
           share_inside=zero_in)
 if SIZE == "full":
     claim("compiled, both backends train and stay close; the first step carries the compile time, and only ZeRO-3's "

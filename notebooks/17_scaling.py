@@ -142,10 +142,9 @@ COLS = ("fsdp", "deepspeed")
 mfu = {b: [round(float(by.loc[(b, m), "mfu"]), 3) for m in SIZES] for b in COLS}
 toks = {b: [round(float(by.loc[(b, m), "tokens_per_s_per_rank"]), 1) for m in SIZES] for b in COLS}
 flops = [int(by.loc[("fsdp", m), "flops_per_token"]) for m in SIZES]
-claim(f"on both backends each larger size ({' < '.join(SIZES)}) has more FLOPs per token (the same count on both) "
-      "and processes fewer tokens per second", flops == sorted(set(flops)) and flops == [
-          int(by.loc[("deepspeed", m), "flops_per_token"]) for m in SIZES]
-      and all(all(x > y for x, y in zip(v, v[1:])) for v in toks.values()), flops_per_token=flops, tokens_per_s=toks)
+print(f"FLOPs per token ({' < '.join(SIZES)}; from each model's config, the same on both backends): {flops}")
+claim(f"on both backends each larger size ({' < '.join(SIZES)}) processes fewer tokens per second",
+      all(all(x > y for x, y in zip(v, v[1:])) for v in toks.values()), tokens_per_s=toks)
 claim(f"and uses the core better: MFU is higher for {' and '.join(SIZES[1:])} than for tiny",
       all(min(v[1:]) > v[0] for v in mfu.values()), mfu_by_size=mfu)
 print(f"MFU per backend, {' -> '.join(SIZES)}: {mfu}")
@@ -192,11 +191,9 @@ ran("the overheads the reading in section 1 names: FSDP's optimizer loops over i
     "after forward", fsdp_runs, optimizer_impl="for-loop", reshard_after_forward=True)
 claim(f"most of a {RANKS_MODEL} step's time is off the peak: 1 - MFU is over 0.9 for both backends at {NPROC} ranks",
       all(1 - v[0] > 0.9 for v in mfu.values()), off_peak_share={b: round(1 - v[0], 3) for b, v in mfu.items()})
-claim(f"{RANKS_MODEL} on {RANK_SWEEP} ranks, both backends; the {NPROC}-rank point is the size sweep's job, not run twice",
+claim(f"{RANKS_MODEL} on {RANK_SWEEP} ranks, both backends",
       sorted(zip(ranks.backend, ranks.world_size)) == sorted((b, n) for b in PAIR_CONFIGS for n in RANK_SWEEP)
-      and set(ranks.model) == {RANKS_MODEL} and NPROC not in set(extra.world_size)
-      and all(r.startswith("notebooks/runs/17_size/") for r in ranks[ranks.world_size == NPROC].run),
-      world_sizes=sorted(set(ranks.world_size)))
+      and set(ranks.model) == {RANKS_MODEL}, world_sizes=sorted(set(ranks.world_size)))
 print(f"the jobs of this sweep measured peaks of {throughput.fmt_flops(ranks.peak_flops.min())} to "
       f"{throughput.fmt_flops(ranks.peak_flops.max())} per rank (MFU is against each job's own)")
 fig, (left, right) = plots.plt.subplots(1, 2)
@@ -225,7 +222,7 @@ at_four = [r for r in rank_runs if r.summary["world_size"] == 4]
 if not GPUS and CORES < 4:
     shared = [next((ln for ln in (r.path / "log.txt").read_text().splitlines() if "ranks on this node share" in ln), None)
               for r in at_four]
-    claim("each 4-rank job saw more ranks than CPU cores on its node and said so in its log (ranks take turns)",
+    claim("each 4-rank job saw more ranks than CPU cores on its node and said so in its log",
           len(at_four) == 2 and all(r.summary["device"] == "cpu" for r in at_four) and all(shared),
           note=shared[0][:60] if shared and shared[0] else None)
     print("peaks by ranks (GFLOP/s; rank 0's matmul while the others wait):",

@@ -122,14 +122,14 @@ if nb.bitwise_parity_expected(N):
           "under 1e-3 (relative)", loss[0] == loss[1] and 0 < rel < 1e-3, relative_difference=rel)
 
 # %% [markdown]
-# **What it means.** At step 0 the adapter's B matrix is zero (PEFT's default start; step 0 is bit for bit above), so what the adapter adds to the
+# **What it means.** At step 0 the adapter's B matrix is zero (the runs' `init_lora_weights: true`, PEFT's default start; step 0 is bit for bit above), so what the adapter adds to the
 # gradient of its input is exactly zero, and adding zero in any order changes nothing. From step 1
-# it is not zero. In Llama's attention `q_proj`, `k_proj` and `v_proj` read the same input (the model's code; not checked
+# it is not zero (in both runs of the q/v pair, checked below). In Llama's attention `q_proj`, `k_proj` and `v_proj` read the same input (the model's code; not checked
 # here), so autograd adds up several
-# bf16 gradients for it. ZeRO-3 passes every module's inputs (a ZeRO-3 leaf's excepted) through an autograd function of its
+# gradients for it. ZeRO-3 passes every module's inputs (but those inside a module marked as a ZeRO-3 leaf) through an autograd function of its
 # own <!-- fact: deepspeed.zero3_module_io_autograd_functions -->. Our reading (the order of the
 # sums is not traced here): that groups `q_proj`'s two
-# gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units,
+# gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->,
 # adds all of them in one buffer (also our reading). In bf16, a sum taken in another order can round differently (shown
 # below on three constants). That sum
 # is the gradient flowing into the layers below, which (our reading) is why the last layer's adapters still agree
@@ -145,17 +145,21 @@ one, tiny = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(2.0**-8, dtype
 orders = {"(1 + 2^-8) + 2^-8": float((one + tiny) + tiny), "1 + (2^-8 + 2^-8)": float(one + (tiny + tiny))}
 print("a demo on three constants (not the runs' numbers): in bf16,",
       ", ".join(f"{k} = {v}" for k, v in orders.items()), "(differ)" if len(set(orders.values())) == 2 else "(same)")
-trace = [json.loads(line) for line in (qv.a / "tensor_trace.jsonl").read_text().splitlines()]
 zero = "0" * 16  # the trace's fingerprint of an all-zero tensor
-b_weights = [[rec["weight"] for name, rec in t["params"].items() if ".lora_B." in name] for t in trace[:2]]
-a_grads0 = [rec["grad_local"] for name, rec in trace[0]["params"].items() if ".lora_A." in name]
-recorded = all(dt is not None for _, dt in b_weights[0] + b_weights[1] + a_grads0)  # a stage never recorded: None
-claim("in the FSDP q/v run every B matrix is zero at step 0, so every A matrix gets a zero gradient there; from step 1 no "
-      "B matrix is zero (each of these fingerprints recorded, with its dtype)",
-      recorded and all(h == zero for h, _ in b_weights[0] + a_grads0) and all(h != zero for h, _ in b_weights[1])
-      and len(b_weights[0]) == len(a_grads0) == 2 * layers, b_matrices=len(b_weights[0]),
-      dtypes={"B weight": sorted({str(dt) for _, dt in b_weights[0]}),
-              "A grad_local": sorted({str(dt) for _, dt in a_grads0})})
+starts = {}  # per run of the q/v pair: B weights per step, A's step-0 local gradients
+for side, path in (("FSDP", qv.a), ("ZeRO-3", qv.b)):
+    trace = [json.loads(line) for line in (path / "tensor_trace.jsonl").read_text().splitlines()]
+    starts[side] = ([[rec["weight"] for name, rec in t["params"].items() if ".lora_B." in name] for t in trace],
+                    [rec["grad_local"] for name, rec in trace[0]["params"].items() if ".lora_A." in name])
+ok = all(all(dt is not None for step in bw for _, dt in step) and all(dt is not None for _, dt in a0)  # None: never
+         and all(h == zero for h, _ in bw[0] + a0) and all(h != zero for step in bw[1:] for h, _ in step)  # recorded
+         and len(bw) == 3 and len(bw[0]) == len(a0) == 2 * layers for bw, a0 in starts.values())
+init = [r.summary["peft"]["config"].get("init_lora_weights") for r in runs]
+claim("in both runs of the q/v pair every B matrix is zero at step 0 (each run's init_lora_weights: true), so every A "
+      "matrix gets a zero gradient there; at steps 1 and 2 no B matrix is zero (each fingerprint recorded, with its "
+      "dtype)", ok and init == [True] * len(runs), b_matrices=len(starts["FSDP"][0][0]), init_lora_weights=init,
+      dtypes={"B weight": sorted({str(dt) for bw, _ in starts.values() for _, dt in bw[0]}),
+              "A grad_local": sorted({str(dt) for _, a0 in starts.values() for _, dt in a0})})
 
 # %% [markdown]
 # ## Recap

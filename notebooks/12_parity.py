@@ -453,7 +453,10 @@ claim("under DeepSpeed's default linear Qwen2 parts at step 1: same weights, dif
       and [c["key"] for c in qwen["causes"]] == ["zero3_memory_efficient_linear"],
       tensor=qwen["tensor"], module=qwen["module"])
 claim("Llama, without biases, stays identical under the same default (every traced tensor and output, every step)",
-      llama_default["identical"] and llama_default["steps"] == TRACE, steps_compared=llama_default["steps"],
+      llama_default["identical"] and llama_default["steps"] == TRACE
+      and "tensor traces: every weight, gradient and update identical" in llama_default["report"]
+      and "activation traces: every module output and output gradient identical" in llama_default["report"],
+      steps_compared=llama_default["steps"],
       first_differing_module=llama_default["module"])
 zb = fam_runs["llama", "b"].summary
 copies = zb["memory_bytes"][0]["params"] / (2 * zb["num_params"])  # bf16: 2 bytes a parameter
@@ -487,8 +490,10 @@ claim(f"in the sweep's llama ZeRO-3's rank 0 holds {1 + 1 / NPROC:.2f} whole cop
 
 # %%
 claim("DeepSpeed's clip at 1.0 when gradient_clipping is absent, and ZeRO-3's own linear on Qwen2's biased layers, "
-      "are each enough to make the runs drift", drift.iloc[-1] > 0 and qwen["first_step"] == 1
-      and not qwen["identical"], implicit_clip_drift_last_step=float(drift.iloc[-1]),
+      "are each enough to make the runs drift (without them the same pairs are bit-identical)", drift.iloc[-1] > 0
+      and clip_identical and norms_identical and qwen["first_step"] == 1 and not qwen["identical"]
+      and bool(family_table.loc["qwen2", "bit-identical"]),
+      same_clip_identical=clip_identical, qwen2_shipped_pair_identical=bool(family_table.loc["qwen2", "bit-identical"]), implicit_clip_drift_last_step=float(drift.iloc[-1]),
       qwen2_parts_at_step=qwen["first_step"])
 if nb.bitwise_parity_expected(NPROC):
     claim("on this CPU, with the same clipping and without accumulation the pair was bit-identical; even then one FSDP default "

@@ -78,16 +78,17 @@ try:
 except checkpoint.CheckpointError as e:
     refused = str(e)
 failed = json.loads(Path("notebooks/runs/16_fsdp/summary.json").read_text())
+files = lambda d: {str(f.relative_to(d)) for f in d.rglob("*") if f.is_file()}  # noqa: E731
+tmp_files, done_files = files(fsdp_dir / f".step_{3 * K}.tmp"), files(fsdp_dir / f"step_{2 * K}")
 print("in", fsdp_dir, ":", contents)
-claim(f"the job failed on the killed rank, whose save left only .step_{3 * K}.tmp (files, no meta.json), which the "
+claim(f"the job failed on the killed rank, whose save left only .step_{3 * K}.tmp (every file of a save but meta.json), which the "
       f"guide refuses as a partial checkpoint; the saves of steps {K} and {2 * K} stayed complete",
       failed["status"] == "failed" and failed["failed_rank"] == NPROC - 1
       and set(contents) == {f".step_{3 * K}.tmp", f"step_{K}", f"step_{2 * K}"}
-      and refused is not None and "partial checkpoint" in refused
-      and not (fsdp_dir / f".step_{3 * K}.tmp" / "meta.json").exists()  # really partial: meta.json comes last
+      and refused is not None and "partial checkpoint" in refused  # (the reader refuses any .tmp by its name)
+      and tmp_files == done_files - {"meta.json"}  # really partial: every file of a complete save but meta.json
       and [checkpoint.read_meta(fsdp_dir / f"step_{s}")["step"] for s in (K, 2 * K)] == [K, 2 * K],
-      reason=failed["reason"], refused=refused,
-      tmp_files=len([f for f in (fsdp_dir / f".step_{3 * K}.tmp").rglob("*") if f.is_file()]))
+      reason=failed["reason"], refused=refused, tmp_files=len(tmp_files), complete_save_files=len(done_files))
 claim(f"that FSDP job trained {MODEL} on {NPROC} ranks for {3 * K} steps, saving every {K}",
       (failed["backend"], failed["model"], failed["world_size"], failed["steps"]) == ("fsdp", MODEL, NPROC, 3 * K)
       and [c["step"] for c in failed["checkpoints"]] == [K, 2 * K], saved=[c["step"] for c in failed["checkpoints"]])
@@ -175,15 +176,16 @@ claim(f"each 1-rank job started from the saved weights: its step-{2 * K} loss is
       "over 1 below that job's step 0 (a fresh model's)",
       all(abs(x - two[0]) < 0.05 and fsdp_losses[0] - x > 1 for x in first),
       one_rank_first=[round(x, 4) for x in first], two_ranks=round(two[0], 4), step_0=round(fsdp_losses[0], 4))
-claim("they continue differently from the 2-rank job (a smaller global batch): every step's loss differs",
+claim("they train on a smaller global batch than the 2-rank job (tokens per step), and every step's loss differs "
+      "from its (the first: the same weights, averaged over fewer samples)",
       len(two) == K and all(abs(a - b) > 1e-6 for a, b in zip(one["dcp"].summary["losses"], two, strict=True))
       and one["dcp"].summary["tokens_per_step"] < failed["tokens_per_step"],
       tokens_per_step=[one["dcp"].summary["tokens_per_step"], failed["tokens_per_step"]],
       one_rank=[round(x, 4) for x in one["dcp"].summary["losses"]], two_ranks=[round(x, 4) for x in two])
 
 # %% [markdown]
-# (On 1 rank the global batch is smaller than on 2, so these steps continue differently from
-# the 2-rank job, as the last check shows; what counts is that the three routes agree.)
+# (On 1 rank the global batch is smaller than on 2, and these steps' losses differ from
+# the 2-rank job's, as the last check shows; what counts is that the three routes agree.)
 #
 # ## 3 · Weights for inference
 #

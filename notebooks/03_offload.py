@@ -161,7 +161,8 @@ claim("FSDP offload holds the same state bytes as no offload: the same shards, b
       rank0_offload=RUNS["FSDP offload"].summary["memory_bytes"][0],
       rank0_no_offload=RUNS["FSDP, no offload"].summary["memory_bytes"][0])
 claim("DeepSpeed's offload_optimizer took effect: the engine flags its optimizer offloaded and its params not, so the "  # fact: deepspeed.zero3_offload_keys
-      "fp32 master, Adam's states and the grad partitions are booked on the host and the params on the device",
+      "fp32 master, Adam's states and the grad partitions are booked on the host (the bookkeeping books them by that "
+      "flag) and the params on the device",
       all(places("DeepSpeed optimizer", "params", r) == {"device"} for r in R)
       and all(places("DeepSpeed optimizer", c, r) == {"host"}
               for c in ("optimizer_states", "master_params", "grads") for r in R),
@@ -243,7 +244,7 @@ if SIZE == "full" and NPROC == 2:  # the last of 10 steps is a bump (the deep di
     lo = losses["FSDP, no offload"]
     claim("the last loss is a bump at step 9 after the loss had fallen at every step before it, not a stall "
           "(the deep dive 10_launching_details traces it)",
-          lo[9] > lo[8] + 0.3 and all(b < a for a, b in zip(lo[:9], lo[1:9])), step0=lo[0], step8=lo[8], step9=lo[9])
+          lo[9] > lo[8] + 0.3 and all(b < a for a, b in zip(lo[:9], lo[1:9])), steps_0_to_9=[round(x, 4) for x in lo[:10]])
 ds_off = {label: (r.summary["effective"]["optimizer"], r.config["deepspeed"]["json"].get("zero_force_ds_cpu_optimizer"))
           for label, r in RUNS.items() if label.startswith("DeepSpeed") and "no offload" not in label}
 claim("every DeepSpeed offload run stepped torch's AdamW, its JSON setting zero_force_ds_cpu_optimizer false",

@@ -129,7 +129,7 @@ ax.legend(loc="upper right", ncol=2);
 # `tests/test_lora.py`). FSDP keeps the frozen weight in bf16: the job applies
 # Accelerate's rule, which upcasts only trainable parameters
 # <!-- fact: accelerate.fsdp2_upcasts_trainable_only -->. The adapter's own state (weights,
-# gradients, Adam moments, master) is a small part of what a rank holds. It differs by config:
+# gradients, Adam moments, DeepSpeed's master) is a small part of what a rank holds. It differs by config:
 # ZeRO-2 keeps the adapter's bf16 weights whole on every rank, and ZeRO-3 keeps its small
 # parameters (the adapter's among them) whole next to their partition
 # <!-- fact: deepspeed.zero3_persistent_keep_partition -->.
@@ -141,7 +141,7 @@ frozen_state = {n: sum(sp["frozen"][c] for sp in spl for c in ("grads", "optimiz
 weight_only = all(b == 0 for b in frozen_state.values()) and all(
     sp["trainable"]["grads"] > 0 and sp["trainable"]["optimizer_states"] > 0 for spl in split.values() for sp in spl)
 claim("a frozen parameter keeps only its weight: on every rank of every job its gradient, Adam moments and master "
-      "take 0 bytes; only the adapter's do not (it alone reaches the optimizer)", weight_only,
+      "take 0 bytes; the adapter's gradients and Adam moments do not (it alone reaches the optimizer)", weight_only,
       frozen_grads_opt_master_B=frozen_state)
 z2, z3 = table.frozen_weights_MiB[["zero2", "zero3"]]
 weights = {part: {n: {sp[part]["params"] for sp in spl} for n, spl in split.items()}  # the set over ranks
@@ -374,10 +374,11 @@ claim("with Accelerate's auto threshold, a model of these widths (not run) would
 #
 # The FSDP and ZeRO-3 jobs above are the aligned pair: `fsdp/full_shard.yaml` and
 # `deepspeed/zero3.yaml`, the two configs this guide keeps bit for bit alike for full training
-# (`02_precision`).
+# on this CPU (`02_precision`).
 
 # %%
 same = compare("notebooks/runs/09_full_shard", "notebooks/runs/09_zero3")
+frozen_tensors = runs["full_shard"].summary["audit"]["parameters"] - n_lora  # traced: the adapter's tensors only
 print(same.report())
 claim("the FSDP and ZeRO-3 jobs above ran fsdp/full_shard.yaml and deepspeed/zero3.yaml",
       [runs[n].summary["config"] for n in ("full_shard", "zero3")]
@@ -385,7 +386,8 @@ claim("the FSDP and ZeRO-3 jobs above ran fsdp/full_shard.yaml and deepspeed/zer
 if nb.bitwise_parity_expected(N):
     claim("LoRA on o_proj/down_proj: the aligned pair is identical for 3 steps, every adapter weight, gradient and "
           "update (the frozen weights have no gradient and are not traced)",
-          same.identical and same.tensor is None and all(same.traced), untraced=same.untraced)
+          same.identical and same.tensor is None and all(same.traced) and same.untraced == frozen_tensors,
+          untraced=same.untraced, frozen_tensors=frozen_tensors)
 
 # %% [markdown]
 # On this CPU, with this adapter, yes. Not every target trains alike: the deep dive `19_finetuning_details`
@@ -409,7 +411,8 @@ claim("a plain save under ZeRO-3 was empty at threshold 0 and whole at the defau
       **{k: bool(v) for k, v in plain.items()})
 if nb.bitwise_parity_expected(N):
     claim(f"on this CPU, for 3 steps at {N} ranks, the aligned pair trained this LoRA bit for bit",
-          same.identical and same.tensor is None and all(same.traced) and same.steps == 3)
+          same.identical and same.tensor is None and all(same.traced) and same.untraced == frozen_tensors
+          and same.steps == 3, steps=same.steps, traced_tensors=n_lora)
 
 # %% [markdown]
 # That is the core path. The deep dives (`10`-`14`, `16`-`19`) go further into the core notebooks.

@@ -205,9 +205,12 @@ for ws in sorted(set(mem.world_size)):
 facts.show("deepspeed.zero0_bf16_optimizer", "deepspeed.zero_optimizer_classes")
 at2 = {r.summary["mode_key"]: r.summary for r in runs if r.summary["world_size"] == 2}
 norm0 = {r.summary["mode_key"]: float(r.metrics.grad_norm.iloc[0]) for r in runs if r.summary["world_size"] == 2}
-claim(f"at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD give exactly FULL_SHARD's losses (the {len(at2['full_shard']['losses'])} "
-      "steps of these runs)",
-      all(at2[k]["losses"] == at2["full_shard"]["losses"] for k in ("zero1", "zero2", "no_shard")),
+exact2 = nb.bitwise_parity_expected(2)  # bit for bit on a CPU (gloo); on GPUs see nb.bitwise_parity_expected
+claim(f"at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD give {'exactly FULL_SHARD' if exact2 else 'within 1e-2 of FULL_SHARD'}'s "
+      f"losses (the {len(at2['full_shard']['losses'])} steps of these runs)",
+      all((at2[k]["losses"] == at2["full_shard"]["losses"]) if exact2 else max(
+          abs(a - b) for a, b in zip(at2[k]["losses"], at2["full_shard"]["losses"], strict=True)) < 1e-2
+          for k in ("zero1", "zero2", "no_shard")),
       largest_gap=max(abs(a - b) for k in ("zero1", "zero2", "no_shard")
                       for a, b in zip(at2[k]["losses"], at2["full_shard"]["losses"], strict=True)))
 others = max(abs(norm0[k] - norm0["no_shard"]) for k in ("full_shard", "zero1", "zero2"))

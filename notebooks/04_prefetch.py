@@ -253,8 +253,10 @@ claim(f"FSDP's largest single gather is the same, prefetch or not: the bytes of 
 
 # %%
 timed = {k: r.metrics.step.iloc[WARMUP_STEPS:].tolist() for k, r in pf.items()}  # the steps step_times keeps
-claim("each job's step times are its two profiled steps",
-      all(timed[k] == r.summary["profiled_steps"] and len(step_times(r)) == 2 for k, r in pf.items()), steps=timed)
+traced = {k: sorted(int(e["name"].split("#")[1]) for e in traces.raw_trace(r, 0)["traceEvents"]
+                    if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")) for k, r in pf.items()}
+claim("each job's step times are the two steps its trace recorded (rank 0's ProfilerStep numbers)",
+      all(timed[k] == traced[k] and len(step_times(r)) == 2 for k, r in pf.items()), steps=timed, traced=traced)
 for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):
     print(f"{timing(a, step_times(pf[a]), b, step_times(pf[b])).measured()}, one run each")
 

@@ -157,12 +157,11 @@ print("peak per rank, as each job measured it:", [throughput.fmt_flops(p) for p 
       f"(the largest {max(peaks) / min(peaks) - 1:.1%} above the smallest) -", fsdp.summary["peak_flops_source"])
 # below 1: the peak must be a ceiling (a definition, not fitted; MFU is a ratio of timings and moves from run to run)
 claim("every MFU is below 1, against a peak in the dtype the job's forward computes in"
-      + ("" if GPUS else ", measured by rank 0 alone (a 512x512 matmul on one thread) in each job: four "
-         "different values"),
+      + ("" if GPUS else ", measured by rank 0 alone (a 512x512 matmul on one thread) in each job"),
       all(r.summary["mfu"] < 1 and (f"dense {r.summary['dtypes']['forward_weight']}" if GPUS else
                                          f"measured: 512x512 {r.summary['dtypes']['forward_weight']} matmul, "
                                          "1 thread(s), rank 0 alone") in r.summary["peak_flops_source"]
-          for r in PAIR_RUNS) and (GPUS or len(set(peaks)) == len(PAIR_RUNS)),
+          for r in PAIR_RUNS),
       mfu=[r.summary["mfu"] for r in PAIR_RUNS], peaks=[throughput.fmt_flops(p) for p in peaks],
       compute=[r.summary["dtypes"]["forward_weight"] for r in PAIR_RUNS],
       peak_sources=sorted({r.summary["peak_flops_source"].split(",")[0] for r in PAIR_RUNS}))

@@ -120,7 +120,7 @@ def read_back(csv, what):
 size_runs = read_back(size, "size sweep")
 claim(f"{', '.join(SIZES)} on both backends, each at {NPROC} ranks",
       sorted(zip(size.backend, size.model)) == sorted((b, m) for b in PAIR_CONFIGS for m in SIZES)
-      and set(size.world_size) == {NPROC})
+      and set(size.world_size) == {NPROC}, points=sorted(zip(size.backend, size.model, size.world_size)))
 print(f"the fp32 jobs measured peaks of {throughput.fmt_flops(size.peak_flops.min())} to "
       f"{throughput.fmt_flops(size.peak_flops.max())} per rank")
 size[["backend", "model", "num_params", "flops_per_token", "step_time_s", "tokens_per_s_per_rank", "mfu"]].round(3)
@@ -187,8 +187,8 @@ ranks = pd.concat([extra, size[(size.model == RANKS_MODEL) & (size.world_size ==
 ranks = ranks.reset_index(drop=True)
 rank_runs = read_back(ranks, "rank sweep")
 fsdp_runs = list({r.path.resolve(): r for r in size_runs + rank_runs if r.backend == "fsdp"}.values())  # each job once
-ran("the overheads the reading in section 1 names: FSDP's optimizer loops over its parameters and FSDP reshards "
-    "after forward", fsdp_runs, optimizer_impl="for-loop", reshard_after_forward=True)
+ran("the overheads the reading in section 1 names: FSDP's optimizer loops over its parameters (read from the live "
+    "optimizer), and its per-layer units are set to reshard after forward (the config)", fsdp_runs, optimizer_impl="for-loop", reshard_after_forward=True)
 claim(f"most of a {RANKS_MODEL} step's time is off the peak: 1 - MFU is over 0.9 for both backends at {NPROC} ranks",
       all(1 - v[0] > 0.9 for v in mfu.values()), off_peak_share={b: round(1 - v[0], 3) for b, v in mfu.items()})
 claim(f"{RANKS_MODEL} on {RANK_SWEEP} ranks, both backends",

@@ -198,7 +198,7 @@ claim("without checkpointing each answer is notebook 08's, or one away from it (
 if not GPUS:
     ds_rows = TABLE["method"] == DS
     gap = TABLE["predicted"] - TABLE["largest (runs)"]
-    # seen: FSDP gaps 0, -1, 1, 1 (full) and 0, -1, 0, 1 (quick); DeepSpeed 1, 2 (full) and 1, 1 (quick)
+    # bounds from the gaps seen over runs at both sizes: FSDP -1 to 1, DeepSpeed 1 to 2 (peaks move between runs)
     claim("every FSDP prediction is within one micro-batch of the runs' answer; DeepSpeed ZeRO-3's are at or above "
           "it, by at most two (the estimator counts fewer bytes than its runs hold: the peaks table below)",
           gap[~ds_rows].abs().max() <= 1 and gap[ds_rows].between(0, 2).all(),
@@ -274,9 +274,9 @@ _ = ax.set(ylabel="step time, s", title=f"FULL_SHARD, micro-batch {TIME_BATCH}: 
 # %% [markdown]
 # In FLOPs the recompute is one extra forward of the blocks (a forward is 2 of the 6 FLOPs per
 # parameter and token, notebook 07: up to a third more compute per step). What it costs in
-# time is the verdict above. It need not follow that third: on a CPU recompute also adds small ops and
-# the wrapper's own work, while the optimizer and the collectives add nothing to it (our reading; we have
-# not broken it down), and two runs each make a noisy ratio. Measure it on your GPU with more steps.
+# time is the verdict above. It need not follow that third: two runs each make a noisy ratio (the
+# runs' medians are printed above), and on a CPU the step holds more than the matmuls (our reading; we have not
+# broken it down). Measure it on your GPU with more steps.
 #
 # ## Predicted against measured peak
 #
@@ -304,8 +304,10 @@ pairs = [(x, y) for c in ("full_shard", "full_shard_ac")  # the same job twice, 
 repeat = max(abs(x - y) / min(x, y) for x, y in pairs)
 print(f"median |error| {median:.2f}% over {len(PEAKS)} runs; the same job twice (the timing runs), per rank: "
       f"{[(round(x / 2**20, 2), round(y / 2**20, 2)) for x, y in pairs]} MiB, {100 * repeat:.2f}% apart at most")
-print("ranks with a peak, per run:", sorted({len(summary(n)["peak_tensor_bytes"]) for n in names}))
-# 5% on a CPU for the median (seen: 3.66% full, 4.08% quick): a peak moves by some percent between identical jobs
+per_rank = {n: summary(n)["peak_tensor_bytes"] for n in names}
+claim(f"every run here measured its peak on each of its {NPROC} ranks", all(len(v) == NPROC and min(v) > 0
+      for v in per_rank.values()), runs=len(per_rank), smallest_MiB=round(min(map(min, per_rank.values())) / 2**20, 2))
+# 5% on a CPU for the median (seen: 3-4% over runs at either size): a peak moves by some percent between identical jobs
 # (the line above; single rows of the grid table below move further); 10% on a GPU (not yet run on one)
 bound = 10 if GPUS else 5
 claim(f"the median error is within {bound}%", median <= bound, median_pct=median)
@@ -418,8 +420,8 @@ has_bucket = g["comm_buckets"].map(any)
 for name, part in (("ZeRO-1/2/3 rows, without their bucket", g[has_bucket]), ("the other rows", g[~has_bucket])):
     print(f"{name}: {len(part)} rows, median |error| {100 * part['abs_rest'].median():.1f}%, worst "
           f"{100 * part['abs_rest'].max():.1f}%, within 10%: {int((part['abs_rest'] <= 0.10).sum())}")
-claim("scored without their bucket, the ZeRO-1/2/3 rows err more than the others (on tiny and small the rest of "
-      "their peak is small, so a MiB that moves is a large share of it)",
+# our reading, not tested: on tiny and small the rest of their peak is small, so a MiB that moves is a large share
+claim("scored without their bucket, the ZeRO-1/2/3 rows err more than the others (their median error)",
       g.loc[has_bucket, "abs_rest"].median() > g.loc[~has_bucket, "abs"].median(),
       zero_median_pct=100 * g.loc[has_bucket, "abs_rest"].median(), others_median_pct=100 * g.loc[~has_bucket, "abs"].median())
 share = pd.Series([min(b / m for b, m in zip(bs, ms)) for bs, ms in zip(g["comm_buckets"], g["measured"])], index=g.index)
@@ -501,8 +503,8 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   under-predicted, their median error further from zero than the FSDP rows'.
 # * Over the stored grid, nine rows in ten or more were within 10% on their worst rank and the
 #   median row within 5% (scored without their bucket, the ZeRO-1/2/3 rows erred more than the
-#   others, their median printed above: on small models the bucket, which the estimator counts,
-#   is most of their peak); every row beyond 10% had more than one rank, was within 10% when run again, and its
+#   others, their median printed above; our reading: on small models the bucket, which the estimator counts,
+#   is most of their peak, so what remains is small); every row beyond 10% had more than one rank, was within 10% when run again, and its
 #   peak moved between the two runs by more than its excess.
 #
 # Back to the path: `09_finetuning`.

@@ -108,6 +108,7 @@ for label, run in runs.items():
                          after_anon_MiB=r["after_rss_anon_bytes"] / 2**20,
                          weights_match=ld["weights_match"], used=ld["method"]))
 table = pd.DataFrame(rows)
+counts = {label: r.summary["num_params"] for label, r in runs.items()}  # each job's own parameter count
 num_params = run.summary["num_params"]
 print(f"{num_params / 1e6:.1f}M params: {num_params * 4 / 2**20:.0f} MiB in fp32, {num_params * 2 / 2**20:.0f} MiB in bf16")
 ran(f"three loads of {PRETRAINED} at {N} ranks, one optimizer step each", runs.values(), model=PRETRAINED,
@@ -119,9 +120,9 @@ claim("every method loads in bf16; naive then holds fp32 (the upcast for mixed p
 with safe_open(f"{PRETRAINED}/model.safetensors", "pt") as f:
     saved = [f.get_slice(k) for k in f.keys()]
 claim("the checkpoint holds the model in fp32: every tensor F32, as many values as the jobs' parameters",
-      {t.get_dtype() for t in saved} == {"F32"} and sum(math.prod(t.get_shape()) for t in saved) == num_params,
+      {t.get_dtype() for t in saved} == {"F32"} and set(counts.values()) == {sum(math.prod(t.get_shape()) for t in saved)},
       dtypes=sorted({t.get_dtype() for t in saved}), values=sum(math.prod(t.get_shape()) for t in saved),
-      params=num_params)
+      params=counts)
 table.round(1)
 
 # %%
@@ -167,7 +168,8 @@ ASKED = {"naive": "naive", "FSDP RAM-efficient": "fsdp_ram_efficient", "ZeRO-3 i
 match_ok = (table.used == table.method.map(ASKED)).all() and table.weights_match.all()
 claim("each job's config selects the method its label names (as the job recorded it), and in every job every rank's "
       "loaded values equal the file's (rounded to the load dtype), element by element, in place", match_ok,
-      used=sorted(set(zip(table.method, table.used))), ranks_matching=f"{int(table.weights_match.sum())} of {len(table)}")
+      used=sorted(set(zip(table.method, table.used))), jobs_matching=f"{sum(r.summary['loading']['weights_match'] for r in runs.values())} of {len(runs)} (each job's "
+      "ranks, all-reduced)")
 # one bound per method, at either size (quick: small): a rank that built the whole fp32 model would peak near naive
 BOUND, ZBOUND = 0.6, 0.7  # FSDP RAM-efficient's other ranks; ZeRO-3 init's ranks
 peak = {label: table[table.method == label].set_index("rank").peak_anon_MiB for label in NAMES.values()}
@@ -255,7 +257,7 @@ claim("with ZeRO-3 init (partition on creation) every rank, rank 0 included, pea
       "ever held the whole bf16 model, the peaks cannot show)", zero_ok, peak_MiB=zero.round(0).tolist(),
       naive_MiB=naive.min())  # fact: deepspeed.zero_init_partitions_on_creation
 claim("weights loaded every way equal the file's, value by value on every rank (rounded to the load dtype)", match_ok,
-      jobs_ranks=len(table))
+      jobs=len(runs))
 
 # %% [markdown]
 # Meta init needs the non-persistent buffers (RoPE `inv_freq`) recomputed: they are in no state dict. <!-- fact: transformers.rope_buffers_non_persistent -->

@@ -109,7 +109,9 @@ for i in range(layers):
 if nb.bitwise_parity_expected(N):
     claim("LoRA on o_proj/down_proj: the aligned pair is identical for 3 steps, every adapter weight, gradient and "
           "update (the frozen weights have no gradient and are not traced)",
-          same.identical and same.tensor is None and all(same.traced), untraced=same.untraced)
+          same.identical and same.tensor is None and all(same.traced)
+          and same.untraced == runs[0].summary["audit"]["parameters"] - lora_tensors[0],
+          untraced=same.untraced, frozen=runs[0].summary["audit"]["parameters"] - lora_tensors[0])
     parted_slots = adapter_slots(parted)  # (layer, module, A/B) of each differing local gradient
     want = sorted((str(i), m, ab) for i in range(layers - 1) for m in ("q_proj", "v_proj") for ab in "AB")
     claim("LoRA on q_proj/v_proj parts at step 1, in the local gradients of all four q/v adapter tensors (lora_A and "
@@ -167,7 +169,7 @@ claim("in both runs of the q/v pair every B matrix is zero at step 0 (each run's
 # %%
 if nb.bitwise_parity_expected(N):
     claim(f"on this CPU, for 3 steps at {N} ranks, the aligned pair trains a LoRA on o_proj/down_proj bit for bit",
-          same.identical and same.tensor is None and same.steps == 3, steps=same.steps,
+          same.identical and same.tensor is None and all(same.traced) and same.steps == 3, steps=same.steps,
           traced_tensors=len(traced[0]))
     claim("with the adapter on q_proj/v_proj it parts from step 1, by a small amount, in the local gradients of every "
           "layer but the last", qv.first_step == qv.tensor.step == 1 and rel < 1e-3 and parted_slots == want,

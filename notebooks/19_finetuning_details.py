@@ -128,13 +128,13 @@ if nb.bitwise_parity_expected(N):
 # gradient of its input is exactly zero, and adding zero in any order changes nothing. From step 1
 # it is not zero (in both runs of the q/v pair, checked below). In Llama's attention `q_proj`, `k_proj` and `v_proj` read the same input (the model's code; not checked
 # here), so autograd adds up several
-# gradients for it. ZeRO-3 passes every module's inputs (but those inside a module marked as a ZeRO-3 leaf) through an autograd function of its
+# gradients for it. ZeRO-3 passes the inputs of every module it hooks (the fact below says which) through an autograd function of its
 # own <!-- fact: deepspeed.zero3_module_io_autograd_functions -->. Our reading (the order of the
 # sums is not traced here): that groups `q_proj`'s two
 # gradients (base and adapter) into one sum before the others join. FSDP, which hooks whole units <!-- fact: torch.fsdp2_post_backward_in_autograd_node -->,
 # adds all of them in one buffer (also our reading). In bf16, a sum taken in another order can round differently (shown
 # below on three constants). That sum
-# is the gradient flowing into the layers below, which (our reading) is why the last layer's adapters still agree
+# is the gradient flowing into the layers below, which (our reading) is why at step 1 the last layer's adapters still agree
 # and every layer under it parts. An adapter whose input no other module reads, such as `o_proj` or
 # `down_proj`, gets just two gradients there (base and adapter), and a sum of two is the same in
 # either order (our reading): that pair stayed bit for bit here.
@@ -171,7 +171,7 @@ if nb.bitwise_parity_expected(N):
     claim(f"on this CPU, for 3 steps at {N} ranks, the aligned pair trains a LoRA on o_proj/down_proj bit for bit",
           same.identical and same.tensor is None and all(same.traced) and same.steps == 3, steps=same.steps,
           traced_tensors=len(traced[0]))
-    claim("with the adapter on q_proj/v_proj it parts from step 1, by a small amount, in the local gradients of every "
+    claim("with the adapter on q_proj/v_proj it first parts at step 1, by a small amount, in the local gradients of every "
           "layer but the last", qv.first_step == qv.tensor.step == 1 and rel < 1e-3 and parted_slots == want,
           first_step=qv.first_step, relative_difference=rel,
           layers_parted=sorted({int(i) for i, _, _ in parted_slots}), of_layers=layers)

@@ -307,7 +307,7 @@ print(f"median |error| {median:.2f}% over {len(PEAKS)} runs; the same job twice 
 per_rank = {n: summary(n)["peak_tensor_bytes"] for n in names}
 claim(f"every run here measured its peak on each of its {NPROC} ranks", all(len(v) == NPROC and min(v) > 0
       for v in per_rank.values()), runs=len(per_rank), smallest_MiB=round(min(map(min, per_rank.values())) / 2**20, 2))
-# 5% on a CPU for the median (seen: 3-4% over runs at either size): a peak moves by some percent between identical jobs
+# 5% on a CPU for the median (a few % in runs so far, at either size): a peak moves by some percent between identical jobs
 # (the line above; single rows of the grid table below move further); 10% on a GPU (not yet run on one)
 bound = 10 if GPUS else 5
 claim(f"the median error is within {bound}%", median <= bound, median_pct=median)

@@ -186,9 +186,9 @@ print(TABLE.round(1).to_string())
 # %%
 gap = {m: PREDICTED[m] - LARGEST[m] for m in METHODS}
 if not GPUS:
-    # bounds from the gaps seen over runs at both sizes (peaks move a little between identical jobs: 18_fit_details)
-    claim("every FSDP prediction is within one micro-batch of the runs' answer; DeepSpeed ZeRO-3's is at or above it, "
-          "by at most two", all(abs(gap[m]) <= 1 for m in (NS, SGO, FS, OFFLOAD)) and 0 <= gap[DS] <= 2,
+    # a step beyond the gaps seen over runs at both sizes (FSDP -1 to 1, DeepSpeed 1 to 2): peaks move between runs
+    claim("every FSDP prediction is within two micro-batches of the runs' answer; DeepSpeed ZeRO-3's is at or above it, "
+          "by at most three", all(abs(gap[m]) <= 2 for m in (NS, SGO, FS, OFFLOAD)) and 0 <= gap[DS] <= 3,
           predicted_minus_runs=gap)
     print(f"exact on {sum(g == 0 for g in gap.values())} of {len(gap)} methods")
 else:
@@ -351,8 +351,8 @@ claim(f"so on this small model ZeRO-3's defaults need more memory than FSDP: ZeR
 #
 # Checked above, on this machine, but for the parts labelled otherwise:
 #
-# * The states (the estimator's count, printed above) were a real share of the budget. The estimator's prediction was within one
-#   micro-batch of the runs' answer on the FSDP rows, and zero to two above it on DeepSpeed's.
+# * The states (the estimator's count, printed above) were a real share of the budget. The estimator's prediction was within two
+#   micro-batches of the runs' answer on the FSDP rows, and zero to three above it on DeepSpeed's.
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD in this
 #   run. It held more state (its whole small parameters), and the estimator counts more working

@@ -197,10 +197,10 @@ claim("without checkpointing each answer is notebook 08's, or one away from it (
 if not GPUS:
     ds_rows = TABLE["method"] == DS
     gap = TABLE["predicted"] - TABLE["largest (runs)"]
-    # bounds from the gaps seen over runs at both sizes: FSDP -1 to 1, DeepSpeed 1 to 2 (peaks move between runs)
-    claim("every FSDP prediction is within one micro-batch of the runs' answer; DeepSpeed ZeRO-3's are at or above "
-          "it, by at most two (the estimator counts fewer bytes than its runs hold: the peaks table below)",
-          gap[~ds_rows].abs().max() <= 1 and gap[ds_rows].between(0, 2).all(),
+    # a step beyond the gaps seen over runs at both sizes (FSDP -1 to 1, DeepSpeed 1 to 2): peaks move between runs
+    claim("every FSDP prediction is within two micro-batches of the runs' answer; DeepSpeed ZeRO-3's are at or above "
+          "it, by at most three (the estimator counts fewer bytes than its runs hold: the peaks table below)",
+          gap[~ds_rows].abs().max() <= 2 and gap[ds_rows].between(0, 3).all(),
           fsdp_predicted_minus_runs=gap[~ds_rows].tolist(), deepspeed=gap[ds_rows].tolist())
 
 # %% [markdown]
@@ -495,8 +495,8 @@ widgets.ControlPanel("18", {"FULL_SHARD": "launch_configs/fsdp/full_shard.yaml",
 #   three methods run here. It left the losses bit-identical on this CPU (the FULL_SHARD timing pair); its
 #   recompute cost is printed with a timing verdict (slower or faster only where every run of one
 #   side is beyond every run of the other and the steps' quartiles part), not checked.
-# * The estimator's prediction was within one micro-batch of the runs' answer on the FSDP
-#   rows and zero to two above it on DeepSpeed's. Its median peak error over this notebook's runs was
+# * The estimator's prediction was within two micro-batches of the runs' answer on the FSDP
+#   rows and zero to three above it on DeepSpeed's. Its median peak error over this notebook's runs was
 #   within 5% on this CPU (the check above); every FSDP row was within 10% or, where not, one of two identical jobs whose
 #   peaks moved between them by more than its excess (the check above prints the worst); every small-bucket DeepSpeed row was
 #   under-predicted, their median error further from zero than the FSDP rows'.

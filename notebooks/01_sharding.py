@@ -207,8 +207,9 @@ ratio = {c: split.loc[c, "full_shard"] / split.loc[c, "zero3"] for c in ("params
 ratio["zero3 master / full_shard params"] = split.loc["master_params", "zero3"] / split.loc["params", "full_shard"]
 differ = split.loc["master_params", "full_shard"] == 0 and all(abs(v - w) < 0.01 for v, w in
                                                                  zip(ratio.values(), (2, 2, 1), strict=True))
-claim("FSDP holds twice DeepSpeed's param and gradient bytes (and, by its design, no separate master: the job books "
-      "none); DeepSpeed's fp32 master weighs what FSDP's fp32 shards do", differ, **ratio)
+claim("FSDP holds twice DeepSpeed's param and gradient bytes, and no separate master (every tensor its optimizer "
+      "steps is one of the model's parameters); DeepSpeed's fp32 master weighs what FSDP's fp32 shards do", differ,
+      **ratio)
 
 # %% [markdown]
 # Two pairs hold the same bytes just before the step (checked below) and, by design, differ earlier,

@@ -204,6 +204,11 @@ claim(f"FSDP's {len(units_tf)} units predict its collectives exactly (counts, an
       "without prefetch; the root unit holds no parameters", fsdp_exact, expected=want,
       counted=fsdp_rows[["all_gathers", "reduce_scatters"]].to_dict("index"),
       gathered_bytes=(fsdp_rows.all_gather_MB * 1e6).round().astype(int).to_dict(), root_params=units_tf[-1].num_params)
+per_unit = {k: traces.fsdp_gathers_per_step(pf[k]) for k in fsdp_rows.index}  # from the traces' unit labels
+told = {u.name.replace("+", ", "): 1 if "lm_head" in u.name else 2 for u in units_tf if u.num_params}  # the prose
+claim("per unit, in both FSDP traces: the embedding and each block are gathered twice per step (forward, then "
+      "backward again), the norm + head unit once", all(g == told for g in per_unit.values()),
+      gathers_per_step=per_unit)
 claim(f"ZeRO-3 without prefetch gathers each of the {n_tensors} parameter tensors on its own, in forward and "
       "again in backward (twice the model's bytes)", tab.loc["ZeRO-3 no prefetch", "all_gathers"] == 2 * n_tensors
       and abs(tab.loc["ZeRO-3 no prefetch", "all_gather_MB"] - 2 * model_mb) < 1e-3,
@@ -253,8 +258,7 @@ claim(f"FSDP's largest single gather is the same, prefetch or not: the bytes of 
 
 # %%
 timed = {k: r.metrics.step.iloc[WARMUP_STEPS:].tolist() for k, r in pf.items()}  # the steps step_times keeps
-traced = {k: sorted(int(e["name"].split("#")[1]) for e in traces.raw_trace(r, 0)["traceEvents"]
-                    if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")) for k, r in pf.items()}
+traced = {k: traces.step_numbers(r) for k, r in pf.items()}
 claim("each job's step times are the two steps its trace recorded (rank 0's ProfilerStep numbers)",
       all(timed[k] == traced[k] and len(step_times(r)) == 2 for k, r in pf.items()), steps=timed, traced=traced)
 for a, b in (("FSDP prefetch", "FSDP no prefetch"), ("ZeRO-3 prefetch", "ZeRO-3 no prefetch")):

@@ -146,16 +146,7 @@ claim("of the four unit choices only the transformer-blocks row (04's prefetch c
       fwd == {k: k == "transformer blocks" for k in wr}, forward_prefetch=fwd)
 
 
-def gathers_per_step(run):
-    """{unit: all-gathers per profiled step}, rank 0, from FSDP2's trace labels `FSDP::all_gather (unit)`."""
-    names = [e["name"] for e in traces.raw_trace(run, 0)["traceEvents"]
-             if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"]
-    n = sum(x.startswith("ProfilerStep#") for x in names)
-    return {x[len("FSDP::all_gather ("):-1]: names.count(x) / n for x in sorted(set(names))
-            if x.startswith("FSDP::all_gather (")}
-
-
-per_unit = {k: gathers_per_step(r) for k, r in wr.items()}
+per_unit = {k: traces.fsdp_gathers_per_step(r) for k, r in wr.items()}
 claim("in the size-based job's trace lm_head is a unit of its own, gathered twice per step "
       "like every other unit gathered there; in the blocks row the norm + head unit is gathered once per step",
       per_unit["size-based"].get("lm_head") == 2 and set(per_unit["size-based"].values()) == {2}

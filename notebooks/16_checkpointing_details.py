@@ -78,7 +78,12 @@ try:
 except checkpoint.CheckpointError as e:
     refused = str(e)
 failed = json.loads(Path("notebooks/runs/16_fsdp/summary.json").read_text())
-files = lambda d: {str(f.relative_to(d)) for f in d.rglob("*") if f.is_file()}  # noqa: E731
+
+
+def files(d):  # every file under d, by its path in d
+    return {str(f.relative_to(d)) for f in d.rglob("*") if f.is_file()}
+
+
 tmp_files, done_files = files(fsdp_dir / f".step_{3 * K}.tmp"), files(fsdp_dir / f"step_{2 * K}")
 print("in", fsdp_dir, ":", contents)
 claim(f"the job failed on the killed rank, whose save left only .step_{3 * K}.tmp (every file of a save but meta.json), which the "

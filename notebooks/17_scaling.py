@@ -118,7 +118,7 @@ def read_back(csv, what):
 
 
 size_runs = read_back(size, "size sweep")
-claim(f"{', '.join(SIZES)} on both backends, each at {NPROC} ranks",
+claim(f"the jobs' own summaries: {', '.join(SIZES)} on both backends, each at {NPROC} ranks, no point missing",
       sorted(zip(size.backend, size.model)) == sorted((b, m) for b in PAIR_CONFIGS for m in SIZES)
       and set(size.world_size) == {NPROC}, points=sorted(zip(size.backend, size.model, size.world_size)))
 print(f"the fp32 jobs measured peaks of {throughput.fmt_flops(size.peak_flops.min())} to "
@@ -191,7 +191,7 @@ ran("the overheads the reading in section 1 names: FSDP's optimizer loops over i
     "optimizer), and its per-layer units are set to reshard after forward (the config)", fsdp_runs, optimizer_impl="for-loop", reshard_after_forward=True)
 claim(f"most of a {RANKS_MODEL} step's time is off the peak: 1 - MFU is over 0.9 for both backends at {NPROC} ranks",
       all(1 - v[0] > 0.9 for v in mfu.values()), off_peak_share={b: round(1 - v[0], 3) for b, v in mfu.items()})
-claim(f"{RANKS_MODEL} on {RANK_SWEEP} ranks, both backends",
+claim(f"the jobs' own summaries: {RANKS_MODEL} on {RANK_SWEEP} ranks, both backends, no point missing",
       sorted(zip(ranks.backend, ranks.world_size)) == sorted((b, n) for b in PAIR_CONFIGS for n in RANK_SWEEP)
       and set(ranks.model) == {RANKS_MODEL}, world_sizes=sorted(set(ranks.world_size)))
 print(f"the jobs of this sweep measured peaks of {throughput.fmt_flops(ranks.peak_flops.min())} to "

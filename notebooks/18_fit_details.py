@@ -159,8 +159,8 @@ claim("each row ran its config, checkpointing on exactly in the checkpointed row
               and j.config["deepspeed"]["json"]["zero_optimization"]["reduce_bucket_size"] == BUCKET
               for n, j in JOBS.items() if j.config["deepspeed"]),
       checkpointing={k: sorted({kind[n] or "off" for n in PLAN if n.rsplit("_b", 1)[0] == k}) for k in ROWS})
-claim("each row started at its predicted batch and moved one sequence a job until a batch that fits sat next to one "
-      "that does not", all(walk.walked(WALK[k], ROWS[k][3]) for k in ROWS), jobs={k: sorted(v) for k, v in WALK.items()})
+claim("each row's jobs are its predicted batch and the batches next to it, one sequence apart, up to a batch that fits "
+      "next to one that does not (their order is checked in 08: copied jobs keep 08's start times)", all(walk.walked(WALK[k], ROWS[k][3]) for k in ROWS), jobs={k: sorted(v) for k, v in WALK.items()})
 copied = sorted(n for n, j in JOBS.items() if j.summary["reused_from"])
 reused("each job copied from notebook 08 is its run of the same name, with the same config (all but --out), job key "
        "and losses", JOBS.values(), lambda j: RUNS / f"08_{j.name}")

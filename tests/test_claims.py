@@ -100,14 +100,14 @@ def test_reused_checks_the_copy_against_its_source_directory(tmp_path, capsys):
     (src / "config.json").write_text(json.dumps({"out": str(src), "train": {"steps": 2}}))
 
     def copy(**changes):
-        s = {**summary, "reused_from": str(src), **changes.pop("summary", {})}
+        s = {**summary, "reused_from": str(src), "reuse_key": "k1", **changes.pop("summary", {})}
         return SimpleNamespace(name="11_fsdp", summary=s, config={"out": "11_fsdp", "train": {"steps": 2}, **changes})
 
     here = SimpleNamespace(name="11_zero3", summary={"reused_from": None}, config={})
     reused("the copy is 01's job", [copy(), here], lambda r: tmp_path / f"01_{r.name[3:]}")
     out = capsys.readouterr().out
     assert "reused=[11_fsdp]" in out and "ran_here=[11_zero3]" in out
-    for bad in (copy(summary={"losses": [7.0, 6.4]}), copy(summary={"job_key": "k2"}), copy(train={"steps": 3}),
+    for bad in (copy(summary={"losses": [7.0, 6.4]}), copy(summary={"reuse_key": "k2"}), copy(train={"steps": 3}),
                 copy(summary={"reused_from": str(tmp_path / "elsewhere")})):
         with pytest.raises(ClaimFailed, match="the copy is 01's job"):
             reused("the copy is 01's job", [bad], lambda r: tmp_path / f"01_{r.name[3:]}")

@@ -80,3 +80,20 @@ def test_every_mode_has_a_config_that_maps_back_to_it(key):
     header = (REPO / m.config).read_text().split("distributed_type")[0]
     if m.min_world_size > 1:
         assert "NEEDS 4 RANKS" in header
+
+
+def test_fsdp_master_params_are_what_the_optimizer_steps_beyond_the_model():
+    """FSDP's master_params is measured, not assumed: a tensor the optimizer steps that is not one of the model's
+    parameters is booked there (none when the optimizer steps the model's own)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from helpers.job.observe.memory import _fsdp_tensors
+
+    model = torch.nn.Linear(4, 4)
+    own = SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    assert _fsdp_tensors(own)["master_params"] == []
+    copies = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
+    apart = SimpleNamespace(model=model, optimizer=torch.optim.AdamW(copies))
+    assert [id(t) for t in _fsdp_tensors(apart)["master_params"]] == [id(t) for t in copies]

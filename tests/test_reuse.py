@@ -19,7 +19,7 @@ def test_the_same_job_is_copied_and_another_one_runs(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert len(again.stdout.splitlines()) == 1 and f"reused {src}: the same job, completed" in again.stdout, again.stdout
     got = summary(tmp_path / "deep")
-    assert got["reused_from"] == str(src) and got["job_key"] == summary(src)["job_key"]
+    assert got["reused_from"] == str(src) and got["job_key"] == got["reuse_key"] == summary(src)["job_key"]
     assert got["losses"] == summary(src)["losses"]
     assert (tmp_path / "deep" / "metrics.jsonl").read_bytes() == (src / "metrics.jsonl").read_bytes()
     assert json.loads((tmp_path / "deep" / "config.json").read_text())["out"] == str(tmp_path / "deep")
@@ -28,7 +28,8 @@ def test_the_same_job_is_copied_and_another_one_runs(tmp_path):
     other = run_job(FSDP, tmp_path / "other", 2, "--model", "tiny", "--steps", "1", "--reuse", src)
     assert other.returncode == 0, other.stderr[-2000:]
     assert f"note: --reuse {src}: not reused, its run is another job" in other.stdout, other.stdout
-    assert summary(tmp_path / "other")["reused_from"] is None and summary(tmp_path / "other")["steps"] == 1
+    assert summary(tmp_path / "other")["reused_from"] is None and summary(tmp_path / "other")["reuse_key"] is None
+    assert summary(tmp_path / "other")["steps"] == 1
 
 
 def _args(**kw):

@@ -125,6 +125,8 @@ SUMMARY_KEYS = {
     "job_key": "sha256 of what decides the result: flags but --out/--reuse, the files they name, ranks, nodes, "
                "host, helpers/ and launch_configs/ (helpers.job.reuse); --reuse DIR copies DIR when it matches",
     "reused_from": "the run directory this run was copied from by --reuse (helpers.job.reuse); null when it ran",
+    "reuse_key": "a copy's: the job key the job that asked for --reuse computed from its own flags, files, ranks "
+                 "and code (job_key is the source's, copied); null when it ran",
     "deterministic": "true: a GPU job ran with --deterministic (torch.use_deterministic_algorithms, "
                      "CUBLAS_WORKSPACE_CONFIG); false otherwise, and always on a CPU, where it changes nothing",
     "optimizer_impl": "how the optimizer stepped, read from it: for-loop (the default, --optimizer-impl; the "

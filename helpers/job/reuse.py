@@ -69,7 +69,9 @@ def why_not(args, world_size: int) -> str | None:
 
 
 def try_reuse(args) -> str | None:
-    """Copy DIR to --out (rank 0) when it holds this same job; return None then. Else the ``note:`` to log."""
+    """Copy DIR to --out (rank 0) when it holds this same job; return None then. Else the ``note:`` to log.
+    The copy's summary says where it came from (``reused_from``) and the key this job computed for itself
+    (``reuse_key``), which a reader can compare with the ``job_key`` DIR's own job recorded."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     why = why_not(args, world_size)
     if why is not None:
@@ -87,10 +89,11 @@ def try_reuse(args) -> str | None:
             for e in src.iterdir():
                 if e.name != LOCK:
                     (shutil.copytree if e.is_dir() else shutil.copy2)(e, out / e.name)
-            for name, key in (("config.json", "out"), ("summary.json", "reused_from")):  # say where it came from
+            mine = job_key(args, world_size)
+            for name, new in (("config.json", {"out": str(out)}),  # say where it came from, and what asked
+                              ("summary.json", {"reused_from": str(src), "reuse_key": mine})):
                 d = json.loads((out / name).read_text())
-                d[key] = str(out) if key == "out" else str(src)
-                (out / name).write_text(json.dumps(d, indent=2))
+                (out / name).write_text(json.dumps({**d, **new}, indent=2))
             line = f"reused {src}: the same job, completed; copied to {out}"
             with open(out / "log.txt", "a") as f:
                 f.write(line + "\n")

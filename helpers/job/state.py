@@ -125,7 +125,7 @@ def base_summary(s: JobState) -> dict:
         "peft": None, "audit": None, "activation_checkpointing": None, "optimizer_impl": None,
         "memory_budget_bytes": None, "memory_budget_fits": None,
         "deterministic": bool(s.args.deterministic) and s.use_cuda,  # GPU: deterministic algorithms were on
-        "job_key": job_key(s.args, s.world_size), "reused_from": None,  # what --reuse compares, and sets
+        "job_key": job_key(s.args, s.world_size), "reused_from": None, "reuse_key": None,  # --reuse compares, sets
     }
 
 

@@ -80,8 +80,9 @@ def ran(sentence: str, runs, **expected) -> None:
 
 def reused(sentence: str, runs, source) -> None:
     """Claim that each run of ``runs`` that ``--reuse`` copied is the job in the run directory ``source(run)``
-    names: it records that directory in ``reused_from`` and has its config (all but ``--out``), its job key
-    (flags, ranks, code) and its losses. Runs that were not copied ran here; both lists are printed."""
+    names: it records that directory in ``reused_from``; the key the asking job computed from its own flags,
+    files, ranks and code (``reuse_key``) is the one the source's job recorded; and the copy has the source's
+    config (all but ``--out``) and losses. Runs that were not copied ran here; both lists are printed."""
     runs = list(runs)
     copied = [r for r in runs if r.summary.get("reused_from")]
 
@@ -90,7 +91,7 @@ def reused(sentence: str, runs, source) -> None:
         if Path(r.summary["reused_from"]).resolve() != src.resolve():
             return False
         s, c = (json.loads((src / f).read_text()) for f in ("summary.json", "config.json"))
-        return ({**r.config, "out": None} == {**c, "out": None} and r.summary["job_key"] == s["job_key"]
+        return ({**r.config, "out": None} == {**c, "out": None} and r.summary.get("reuse_key") == s["job_key"]
                 and r.summary["losses"] == s["losses"])
 
     claim(sentence, all(same(r) for r in copied), reused=[r.name for r in copied],

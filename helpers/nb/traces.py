@@ -76,8 +76,22 @@ def _gloo_threads(trace: dict) -> set:
 
 
 def _steps(trace: dict) -> list[dict]:
-    return sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")),
-                  key=lambda e: e["ts"])
+    """The host's ProfilerStep#N events (a GPU trace repeats them as gpu_user_annotation: left out)."""
+    return sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("ProfilerStep#")
+                   and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+
+
+def step_numbers(run, rank: int = 0) -> list[int]:
+    """The step numbers the profiler recorded on ``rank`` (its ``ProfilerStep#N`` events), in order."""
+    return [int(e["name"].split("#")[1]) for e in _steps(raw_trace(run, rank))]
+
+
+def fsdp_gathers_per_step(run, rank: int = 0) -> dict[str, float]:
+    """{FSDP unit: all-gathers per profiled step} on ``rank``, from FSDP2's trace labels ``FSDP::all_gather (unit)``."""
+    trace = raw_trace(run, rank)
+    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"]
+    n, tag = len(_steps(trace)), "FSDP::all_gather ("
+    return {x[len(tag):-1]: names.count(x) / n for x in sorted(set(names)) if x.startswith(tag)}
 
 
 def _origin(run) -> float:

@@ -13,8 +13,9 @@ It returns, per rank, the bytes of
 ``optimizer_states``  every tensor in the optimizer's state (Adam's exp_avg and
                       exp_avg_sq, and the step counters);
 ``master_params``     a separate fp32 copy of the params for the optimizer: DeepSpeed's
-                      fp32 partitions under bf16; 0 for FSDP, whose fp32 shard is
-                      itself what the optimizer updates.
+                      fp32 partitions under bf16; for FSDP, any tensor its optimizer
+                      steps that is not one of the model's parameters (none when the
+                      fp32 shard is itself what the optimizer updates).
 
 Tensors are counted by their underlying storage, once: views into one flat
 buffer (DeepSpeed) count as that buffer, padding included.
@@ -47,11 +48,13 @@ def _local(t):
 
 def _fsdp_tensors(engine) -> dict[str, list]:
     params = [p for p in engine.model.parameters()]
+    own = {id(p) for p in params}
+    stepped = [p for g in torch_optimizer(engine.optimizer).param_groups for p in g["params"]]
     return {
         "params": params,
         "grads": [p.grad for p in params if p.grad is not None],
         "optimizer_states": [v for s in engine.optimizer.state.values() for v in s.values()],
-        "master_params": [],
+        "master_params": [p for p in stepped if id(p) not in own],  # measured: the optimizer's own copies, if any
     }
 
 

@@ -206,8 +206,8 @@ if NPROC == 2 and not GPUS:  # measured on CPU/gloo at 2 ranks (notebook 10 ties
 # %% [markdown]
 # ## When the config is wrong
 #
-# A typo in a key is refused before the job starts (no run directory, nothing else printed), with one line naming the file, the key and
-# what was meant. (Under `torchrun` the launcher then adds its own failure report; not run here.) <!-- fact: torch.torchrun_failure_report -->
+# A typo in a key is refused before the job starts (no run directory, nothing else printed), with one line naming the file and the key,
+# and what was meant when a known key is near. (Under `torchrun` the launcher then adds its own failure report; not run here.) <!-- fact: torch.torchrun_failure_report -->
 
 # %%
 Path("notebooks/runs").mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,8 @@ print(f"{len(plan)} jobs")
 
 # %%
 runs = results.load_runs(*[out for _, _, out in plan])
-ran("every job trains the small model for 2 steps", runs, model="small", steps=2)
+ran("every job trains the small model for 2 steps, one sequence of 32 tokens per rank", runs, model="small", steps=2,
+    micro_batch=1, seq_len=32)
 at = {r.summary["mode_key"]: r.summary["world_size"] for r in runs}
 claim("the model has 21M parameters; every mode but the hybrids ran at 2 ranks" + ("; the hybrids at 4" if 4 in WORLDS else
       "; the hybrids (4 ranks) not at this size") + "; each job counted every rank's bytes in the four categories, "

@@ -147,16 +147,15 @@ fig.tight_layout(rect=(0, 0.14, 1, 1))
 #   machine load at the same time (by design: the job starts every rank's load together), each holding its own full copy.
 # * **FSDP RAM-efficient**: the other ranks build the model on the meta device (no memory)
 #   and receive rank 0's broadcast one full tensor at a time, keeping only their shard; they
-#   peak far below naive. Rank 0 builds the whole state dict in its own memory, in the load
-#   dtype (bf16 here), to broadcast it, <!-- fact: torch.broadcast_from_rank0_per_tensor --> on top of its own fp32 shard, so its
+#   peak far below naive. By the guide's design (`helpers.job.loading`), rank 0 builds the whole state dict in its own memory, in the load
+#   dtype (bf16 here), to broadcast it, <!-- fact: torch.broadcast_from_rank0_per_tensor --> on top of its own fp32 shard, and its
 #   peak stays well above the others'. The saving is on the other `world_size - 1` ranks (one here),
 #   which never build the whole state dict (by design: the peaks alone cannot show it).
 # * **ZeRO-3 init**: each module's parameters are partitioned once the module is created, <!-- fact: deepspeed.zero_init_partitions_on_creation -->
 #   and filled module by module; only rank 0 reads the file's values <!-- fact: transformers.zero3_rank0_reads_fills_per_module --> (`peak_file_MiB`: rank 0's is
 #   the memory-mapped file, page cache, not a copy it made; the others' stays far below). The
 #   peaks cannot show whether a rank ever held the whole model: above its bf16 shard a rank
-#   holds DeepSpeed's working memory (our reading: parameters gathered while they are filled, buffers),
-#   which we have not broken down. What they show is that every rank, rank 0 included, stays
+#   holds DeepSpeed's working memory, which we have not broken down. What they show is that every rank, rank 0 included, stays
 #   well below naive.
 #
 # The checks below hold these statements' numbers to this run.

@@ -74,8 +74,8 @@ print(f"size={SIZE}: model {MODEL}, K={K} ({3 * K} steps in all) on {NPROC} rank
 # %% [markdown]
 # ## The relay: FSDP → DeepSpeed → FSDP
 #
-# `python -m helpers.convert SRC DST --to deepspeed|fsdp` reads each format (FSDP sharded or
-# full, DeepSpeed ZeRO stage 0 to 3, another world size: `tests/test_resume_anywhere.py`,
+# `python -m helpers.convert SRC DST --to deepspeed|fsdp` reads each format (FSDP's
+# sharded files, DeepSpeed ZeRO stage 0 to 3, another world size: `tests/test_resume_anywhere.py`,
 # `tests/test_convert_layouts.py`) into one consolidated fp32 layout (per parameter: the fp32
 # weight, Adam's `exp_avg`, `exp_avg_sq` and step) and writes it for the other side:
 #
@@ -298,7 +298,7 @@ claim("DeepSpeed's 16-bit file holds the model's weights and nothing else (the n
       bytes_per_param=per_param["DeepSpeed 16-bit weights"], ratio=round(smaller, 2))
 
 # %% [markdown]
-# **What it means.** A checkpoint you can *resume* from is about 12 bytes per parameter under
+# **What it means.** Here (AdamW, fp32 state) a checkpoint you can *resume* from is about 12 bytes per parameter under
 # FSDP and ZeRO-3: fp32 master weights (4) plus Adam's two fp32 moments (8). DeepSpeed's ZeRO-3 optimizer files
 # hold the fp32 partitions and moments, its model files no weights (the table's empty `model`). <!-- fact: deepspeed.zero3_checkpoint_contents --> The
 # 16-bit file is about 6x smaller but holds weights only: it suits inference or a fresh
@@ -320,11 +320,11 @@ for kind, r in table.iterrows():
 
 # %% [markdown]
 # * A checkpoint that resumes exactly holds the model, the optimizer (moments *and* step), the
-#   RNG and the data position (by design; `tests/test_checkpoint.py` resumes from each kind).
+#   RNG and the data position (by design; the resume tests: `tests/test_checkpoint.py`, `tests/test_resume_anywhere.py`).
 # * FSDP and DeepSpeed keep the same fp32 state kinds, laid out differently; <!-- fact: deepspeed.zero3_checkpoint_contents -->
 #   converting through one consolidated layout, imported inside the
 #   resuming job, gave bit-identical losses in both directions (on this CPU).
-# * A resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
+# * Here (AdamW, fp32 state) a resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
 #   file, about 6x smaller, holds weights only.
 # * More in the deep dive `16_checkpointing_details`: atomic saves, another world size,
 #   DeepSpeed's own tools, weights for inference and each ZeRO stage's import (described there).

@@ -227,8 +227,8 @@ _ = ax.set(ylabel="largest micro-batch (runs)", title=f"{MODEL}, seq {SEQ}, {BUD
 # ## What ZeRO-3 holds beyond FULL_SHARD
 #
 # Both shard 16 bytes per parameter. <!-- fact: deepspeed.zero3_16_bytes_per_param --> <!-- fact: torch.fsdp2_mixed_16_bytes -->
-# ZeRO-3 also keeps the small parameters whole on every rank (notebook 02): on this tiny model,
-# every decoder weight. The state each job measured (after backward, before the optimizer
+# ZeRO-3 also keeps the small parameters whole on every rank (notebook 02; rank 0 measured here): on this tiny model,
+# every decoder-layer weight and the final norm. The state each job measured (after backward, before the optimizer
 # step: how the job measures, not checked here; `-`: not measured), next to the estimator's categories (FSDP's `params` are fp32; DeepSpeed's are bf16, next to the fp32
 # `master_params`): <!-- fact: accelerate.fsdp2_bf16_fp32_shards --> <!-- fact: deepspeed.zero3_bf16_dtypes -->
 
@@ -330,7 +330,7 @@ else:
           "the host (none on the device), yet peak within 10% of FULL_SHARD's at the same batch (their host state is "
           "over 20% of their peak)", on_host and all(abs(o / f - 1) < 0.10 for f, o in peak.values()) and moved > 0.2,
           peak_MiB_full_shard_offload=peak, host_state_MiB=host / 2**20, state_share=moved)
-# the measured peak beyond the estimator's bucket has been 8-10 MiB at either size; the budget is 15.4 MiB
+# the measured peak beyond the estimator's bucket has been 8-11 MiB in runs so far at either size; the budget is 15.4 MiB
 rest_MiB = (max(z3["peak_tensor_bytes"]) - bucket) / 2**20
 claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1: its measured peak is the "
       "estimator's bucket (larger than the budget) plus less than the budget", z3["memory_budget_fits"] is False
@@ -338,7 +338,7 @@ claim("DeepSpeed ZeRO-3 with the default bucket does not fit even micro-batch 1:
       measured_MiB=max(z3["peak_tensor_bytes"]) / 2**20, bucket_MiB=bucket / 2**20, rest_MiB=rest_MiB,
       budget_MiB=BUDGET / 2**20)
 fs_peak = max(RESULT[FS][LARGEST[FS]]["peak_tensor_bytes"]) if LARGEST[FS] else BUDGET
-claim(f"so on this small model it is the bucket that makes ZeRO-3's defaults need more memory than FSDP: ZeRO-3 at "
+claim(f"so on this small model ZeRO-3's defaults need more memory than FSDP, and the bucket is most of it: ZeRO-3 at "
       f"micro-batch 1 peaks above FULL_SHARD at {LARGEST[FS]}, and below it without the estimator's bucket; the "
       "estimator counts the bucket and shows it before a run: no micro-batch fits",
       max(z3["peak_tensor_bytes"]) > fs_peak > max(z3["peak_tensor_bytes"]) - bucket
@@ -353,7 +353,7 @@ claim(f"so on this small model it is the bucket that makes ZeRO-3's defaults nee
 #
 # Checked above, on this machine, but for the parts labelled otherwise:
 #
-# * The states (the estimator's count, printed above) were a real share of the budget. The estimator's prediction was within two
+# * The states (the estimator's count: arithmetic printed above, not a run) were a real share of the budget. The estimator's prediction was within two
 #   micro-batches of the runs' answer on the FSDP rows, and zero to three above it on DeepSpeed's.
 # * As in the write-up's tables, sharding bought batch: SHARD_GRAD_OP and FULL_SHARD fit more
 #   than NO_SHARD. ZeRO-3, its bucket sized for this model, fit no more than FULL_SHARD in this

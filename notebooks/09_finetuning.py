@@ -398,7 +398,7 @@ if nb.bitwise_parity_expected(N):
 # Save the adapter gathered. What these runs showed:
 
 # %%
-claim("a frozen parameter costs only its weight; FSDP and ZeRO-3 shard it (ZeRO-3 keeps its small ones whole too), "
+claim("a frozen parameter keeps only its weight in the state; FSDP and ZeRO-3 shard it (ZeRO-3 keeps its small ones whole too), "
       "ZeRO-2 keeps it whole on every rank", weight_only and weights["frozen"] == placed,
       frozen_weights_MiB=table.frozen_weights_MiB.round(2).to_dict(), whole_MiB=round(whole, 2))
 claim("the estimator takes the LoRA config and predicted these peaks within 10% (without DeepSpeed's fixed gradient "

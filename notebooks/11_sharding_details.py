@@ -213,7 +213,7 @@ claim(f"at 2 ranks ZeRO-1, ZeRO-2 and NO_SHARD give {'exactly FULL_SHARD' if exa
           for k in ("zero1", "zero2", "no_shard")),
       largest_gap=max(abs(a - b) for k in ("zero1", "zero2", "no_shard")
                       for a, b in zip(at2[k]["losses"], at2["full_shard"]["losses"], strict=True)))
-others = max(abs(norm0[k] - norm0["no_shard"]) for k in ("full_shard", "zero1", "zero2"))
+others = max(abs(norm0[k] - norm0["no_shard"]) for k in ("full_shard", "zero1", "zero2", "zero3"))
 grads = {k: at2[k]["memory_bytes"][0]["grads"] / at2[k]["num_params"] for k in ("zero0", "no_shard")}  # bytes/param
 last_bits = 2 * 2**-23 * norm0["no_shard"]  # two fp32 rounding steps at the norm's size
 claim("ZeRO-0 does not: its losses differ from NO_SHARD's, and its step-0 gradient norm differs from NO_SHARD's over "

@@ -67,7 +67,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 #   `input @ weight.T` in bf16 and then adds the bias, a second bf16 rounding; <!-- fact: deepspeed.zero3_linear_adds_bias_after -->
 #   torch's linear adds the bias inside the matmul. <!-- fact: torch.linear_bias_inside_matmul --> Qwen2
 #   (biased q/k/v projections) then parts from FSDP from step 1 (biases start at zero, so step 0
-#   agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama does not notice. Qwen2 and
+#   agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama did not notice in the sweep (section 5). Qwen2 and
 #   Llama are run under it below; GPT-NeoX and StarCoder2 have biased `Linear` layers too <!-- fact: transformers.family_config_defaults -->,
 #   and would be expected to part the same way (not run here under that default). The
 #   shipped `zero3*.json` set it to `false` (the next cell checks them); section 5
@@ -80,8 +80,8 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 #   each side then keeps the reduced gradient in its own dtype, notebook 02's table, and `compare`
 #   below reads the fp32 copy the optimizer uses), <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
 #   bf16-rounded weights (at step 0 every traced weight is the same bits on both sides: section 3).
-# * **The gradient norm's arithmetic**, which only clipping reads in training: FSDP's engine sums the
-#   per-shard norms in ZeRO-3's order <!-- fact: deepspeed.zero3_grad_norm_fp64 --> (another order of the same sum can part in the last
+# * **The gradient norm's arithmetic**, which only clipping reads in training: the guide's FSDP engine
+#   (`helpers/job/backends/fsdp.py`) sums the squares of the per-shard norms in ZeRO-3's order <!-- fact: deepspeed.zero3_grad_norm_fp64 --> (another order of the same sum can part in the last
 #   bit; not run here).
 # * **Gradient accumulation** agrees closely, not bitwise (section 4).
 #
@@ -490,7 +490,8 @@ claim(f"in the sweep's llama ZeRO-3's rank 0 holds {1 + 1 / NPROC:.2f} whole cop
 
 # %%
 claim("DeepSpeed's clip at 1.0 when gradient_clipping is absent, and ZeRO-3's own linear on Qwen2's biased layers, "
-      "are each enough to make the runs drift (without them the same pairs are bit-identical)", drift.iloc[-1] > 0
+      "are each enough to make the runs drift (with the same clip on both sides, and for Qwen2 with the shipped "
+      "JSON's torch linear, the same pairs are bit-identical)", drift.iloc[-1] > 0
       and clip_identical and norms_identical and qwen["first_step"] == 1 and not qwen["identical"]
       and bool(family_table.loc["qwen2", "bit-identical"]),
       same_clip_identical=clip_identical, qwen2_shipped_pair_identical=bool(family_table.loc["qwen2", "bit-identical"]), implicit_clip_drift_last_step=float(drift.iloc[-1]),

@@ -365,9 +365,8 @@ claim("each ratio rests on at least 2 steps after the warm-up on each side (offl
 
 # %% [markdown]
 # **What it means.** Without an accelerator, "copying to the host" is at most a copy within the
-# same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop --> and the optimizer runs on the same cores either way,
-# so there is no transfer to pay for. What differs is
-# the code each offload path runs (each config's own buffers and copies; the steps are not broken down here). The ratios come from one run each,
+# same RAM (FSDP2 makes none) <!-- fact: torch.cpu_offload_on_cpu_is_noop -->; DeepSpeed's offload keeps an extra fp32 gradient
+# copy there (the location table), whose cost is not measured. The ratios come from one run each,
 # so they cannot tell the offload path from the machine's drift, and we have not broken the steps
 # down. NVMe adds reads and writes of the swap files, which DeepSpeed opens with `O_DIRECT`, past
 # the page cache. <!-- fact: deepspeed.aio_o_direct --> On a GPU (not run here) the picture changes: every step, offloaded
@@ -386,7 +385,7 @@ claim("each ratio rests on at least 2 steps after the warm-up on each side (offl
 # * In the tiny model's NVMe run the fp32 master and Adam's states are swap files (rank 0's three,
 #   each its fp32 partition rounded up to the I/O alignment); the parameter partitions and the fp32
 #   gradient copy stay in host memory. <!-- fact: deepspeed.nvme_swaps_states_not_step --> <!-- fact: deepspeed.nvme_small_grads_wait_in_host -->
-# * At this size NVMe cannot have saved RAM: its parameter swapper's page-locked buffers alone
+# * At this size, with this config's buffers, NVMe cannot have saved RAM: its parameter swapper's buffers alone
 #   hold more than it moved to disk. <!-- fact: deepspeed.nvme_param_swapper_locked_buffers --> On this CPU each run's state is a small part
 #   of its process's peak.
 # * Single runs print step-time ratios but claim no cost.

@@ -131,8 +131,8 @@ else:
 # `"checkpoint": {"load_universal": true}`, so DeepSpeed's loader reads it. <!-- fact: deepspeed.universal_checkpoint_tools -->
 # The guide's `--to deepspeed` is not tied to the world size either (here 2 ranks to 1). FSDP's DCP files reshard as they
 # load. <!-- fact: torch.dcp_file_per_rank --> Below, DeepSpeed's step-`2K` checkpoint resumes on
-# **1 rank** both ways, and FSDP resumes its own step-`2K` DCP files (on this CPU we expect the
-# same state: the DeepSpeed job matched FSDP's losses above, and the three routes are compared below).
+# **1 rank** both ways, and FSDP resumes its own step-`2K` DCP files (the DeepSpeed job matched
+# FSDP's losses above; the three routes' losses are compared below).
 #
 # How the guide's import gets Adam's state into each ZeRO stage (its code path; not traced here): the resuming job puts the
 # weights into the module before `deepspeed.initialize`, then sets the fp32 master and Adam's

@@ -145,8 +145,8 @@ import torch  # noqa: E402
 
 one, tiny = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(2.0**-8, dtype=torch.bfloat16)
 orders = {"(1 + 2^-8) + 2^-8": float((one + tiny) + tiny), "1 + (2^-8 + 2^-8)": float(one + (tiny + tiny))}
-print("a demo on three constants (not the runs' numbers): in bf16,",
-      ", ".join(f"{k} = {v}" for k, v in orders.items()), "(differ)" if len(set(orders.values())) == 2 else "(same)")
+claim("a demo on three constants (not the runs' numbers): in bf16 the two orders of one sum differ",
+      len(set(orders.values())) == 2, left_first=orders["(1 + 2^-8) + 2^-8"], right_first=orders["1 + (2^-8 + 2^-8)"])
 zero = "0" * 16  # the trace's fingerprint of an all-zero tensor
 starts = {}  # per run of the q/v pair: B weights per step, A's step-0 local gradients
 for side, path in (("FSDP", qv.a), ("ZeRO-3", qv.b)):

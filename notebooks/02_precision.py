@@ -149,7 +149,7 @@ claim(f"fix 1 runs low precision at the rate times the {NPROC} ranks; fix 2 runs
 # and the low-precision run moves further; our reading: more updates survive bf16 rounding. <!-- fact: torch.bf16_small_update_rounds_away -->
 # Nothing ties the factor to the number of ranks (an argument, not a run): bf16's rounding step depends on the weights, not
 # on the world size. <!-- fact: torch.bf16_small_update_rounds_away --> Either fix is a different training run, and the cause stays: a schedule that
-# decays the rate would meet it again (not run here). Of the modes run here, the fix that keeps the rate is the aligned
+# decays the rate would meet it again (not run here). Here, the fix keeping the rate is the aligned
 # mode, at the memory cost of section 5.
 
 # %%
@@ -345,7 +345,7 @@ claim("without them DeepSpeed keeps 2 + 2 + 4 + 8 = 16 bytes per parameter (bf16
 # and moments), <!-- fact: deepspeed.zero3_16_bytes_per_param --> plus the weights of at most
 # `stage3_param_persistence_threshold` elements (100k by default), which ZeRO-3 keeps whole on
 # every rank next to their partition. <!-- fact: deepspeed.zero3_persistent_keep_partition -->
-# In this tiny model that is every decoder-layer weight and the final norm; in a real one, norms and biases (not checked here). <!-- fact: deepspeed.zero3_persistent_small_params -->
+# Here: every decoder-layer weight and the final norm; in real models, norms and biases (unchecked). <!-- fact: deepspeed.zero3_persistent_small_params -->
 #
 # ## Recap
 

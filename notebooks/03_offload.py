@@ -282,7 +282,7 @@ for label, row in totals.iterrows():
 #   stay) or the params too. <!-- fact: deepspeed.zero3_offload_keys -->
 # * DeepSpeed's CPU optimizer offload keeps an fp32 gradient copy on the host between steps; <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads -->
 #   ZeRO-3 keeps its small persistent params next to the compute. <!-- fact: deepspeed.zero3_persistent_small_params -->
-# * In these runs on this CPU the losses did not change with offload, bit for bit (on a GPU the check allows 1%).
+# * Here the losses did not change with offload, bit for bit (on a GPU the check allows 1%).
 #   On a GPU the "device" column is what stays in accelerator memory, the rest paid for in PCIe traffic and a host-side
 #   optimizer step (not measured here).
 # * More in the deep dive `13_offload_details`: NVMe (what goes to disk, and why), the process's
@@ -296,7 +296,7 @@ for label, row in totals.iterrows():
 # Nothing below is part of the story above, and nothing runs until you click **Run**. The
 # panel's defaults are this notebook's own command (`$ARGS --steps $STEPS`); it launches the selected configs
 # into its own run directories (`notebooks/runs/panel_03_*`) and redraws where rank 0's states live. Try
-# the `small` model: the deep dive (`13_offload_details`) says what changes with it.
+# the `small` model: `13_offload_details` says what changes.
 
 # %%
 from helpers.nb import widgets

@@ -39,7 +39,7 @@
 # CUDA streams, so a prefetched all-gather travels while the previous layer computes. <!-- fact: torch.gpu_collectives_own_stream --> On a CPU there are no streams.
 # Gloo runs collectives on its own worker threads, <!-- fact: torch.gloo_worker_threads --> so
 # DeepSpeed's asynchronous all-gathers can proceed while the training thread computes, on the same
-# few cores (whether they did here: `14_prefetch_details` measures it); <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2's are synchronous: the training
+# few cores (`14_prefetch_details` measures it); <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2's are synchronous: the training
 # thread waits for each. <!-- fact: torch.fsdp2_gathers_synchronous -->
 # Here FSDP's prefetch *moves a gather ahead of compute* and ZeRO-3's prefetch settings *merge* gathers; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
 # the traces show both.
@@ -119,7 +119,7 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # %% [markdown]
 # **Reading it.** Each panel is one run's step 2; per rank, the upper lane is compute (the training
 # thread's operators, including autograd nodes that call a collective and wait in it), the
-# lower lane communication (gloo's transfers); shaded: rank 0's forward, backward and optimizer step. Each
+# lower lane communication (gloo's transfers); shaded: rank 0's phases. Each
 # FSDP gather brings one unit: the input embedding, a decoder block, or the final norm + head (the
 # units `helpers.train` makes from these files, as `accelerate launch` would). <!-- fact: accelerate.fsdp2_embedding_and_tail_units -->
 # ZeRO-3 without prefetch gathers each module's own parameters when it runs, in forward and again
@@ -127,10 +127,9 @@ plots.timeline(list(pf.values()), labels=list(pf));
 # With its default-sized prefetch bucket (5e7 elements, bigger than this whole model) it fetches,
 # from its second step on, everything in the first gather and keeps each parameter until its last
 # use in backward: one all-gather per step. <!-- fact: deepspeed.zero3_bucket_gathers_once --> It
-# keeps a parameter while a later use is already prefetched or comes within
-# `stage3_max_reuse_distance` (printed below); `stage3_max_live_parameters` only caps the prefetch. <!-- fact: deepspeed.zero3_release_not_by_max_live -->
+# keeps a parameter whose next use is prefetched or within `stage3_max_reuse_distance` (printed below). <!-- fact: deepspeed.zero3_release_not_by_max_live -->
 #
-# In these runs prefetch changed no loss: on this CPU all four runs give identical losses (a GPU check allows 1e-2).
+# Here prefetch changed no loss: all four runs give identical losses (a GPU check allows 1e-2).
 
 # %%
 losses = {k: r.summary["losses"] for k, r in pf.items()}

@@ -320,11 +320,11 @@ for kind, r in table.iterrows():
 
 # %% [markdown]
 # * A checkpoint that resumes exactly holds the model, the optimizer (moments *and* step), the
-#   RNG and the data position (by design; the resume tests: `tests/test_checkpoint.py`, `tests/test_resume_anywhere.py`).
+#   RNG and the data position (by design; tests: `tests/test_checkpoint.py`, `tests/test_resume_anywhere.py`).
 # * FSDP and DeepSpeed keep the same fp32 state kinds, laid out differently; <!-- fact: deepspeed.zero3_checkpoint_contents -->
 #   converting through one consolidated layout, imported inside the
 #   resuming job, gave bit-identical losses in both directions (on this CPU).
-# * Here (AdamW, fp32 state) a resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
+# * Here a resumable checkpoint is about 12 bytes per parameter under FSDP and ZeRO-3; DeepSpeed's 16-bit
 #   file, about 6x smaller, holds weights only.
 # * More in the deep dive `16_checkpointing_details`: atomic saves, another world size,
 #   DeepSpeed's own tools, weights for inference and each ZeRO stage's import (described there).

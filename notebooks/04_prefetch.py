@@ -39,7 +39,7 @@
 # CUDA streams, so a prefetched all-gather travels while the previous layer computes. <!-- fact: torch.gpu_collectives_own_stream --> On a CPU there are no streams.
 # Gloo runs collectives on its own worker threads, <!-- fact: torch.gloo_worker_threads --> so
 # DeepSpeed's asynchronous all-gathers can proceed while the training thread computes, on the same
-# few cores (`14_prefetch_details` measures it); <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2's are synchronous: the training
+# few cores (`14_prefetch_details`: here, mostly waiting); <!-- fact: deepspeed.zero3_async_all_gather --> FSDP2's are synchronous: the training
 # thread waits for each. <!-- fact: torch.fsdp2_gathers_synchronous -->
 # Here FSDP's prefetch *moves a gather ahead of compute* and ZeRO-3's prefetch settings *merge* gathers; <!-- fact: deepspeed.zero3_bucket_gathers_once -->
 # the traces show both.

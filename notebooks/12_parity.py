@@ -67,7 +67,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 #   `input @ weight.T` in bf16 and then adds the bias, a second bf16 rounding; <!-- fact: deepspeed.zero3_linear_adds_bias_after -->
 #   torch's linear adds the bias inside the matmul. <!-- fact: torch.linear_bias_inside_matmul --> Qwen2
 #   (biased q/k/v projections) then parts from FSDP from step 1 (biases start at zero, so step 0
-#   agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama did not notice in the sweep (section 5). Qwen2 and
+#   agrees); <!-- fact: transformers.qwen2_qkv_bias_zero_init --> bias-free Llama did not notice in section 5's default-linear run. Qwen2 and
 #   Llama are run under it below; GPT-NeoX and StarCoder2 have biased `Linear` layers too <!-- fact: transformers.family_config_defaults -->,
 #   and would be expected to part the same way (not run here under that default). The
 #   shipped `zero3*.json` set it to `false` (the next cell checks them); section 5

@@ -303,7 +303,7 @@ else:
 # below), so the peaks are shown without a claim (on a GPU, where the allocator's peak is exact,
 # the cell checks that FSDP offload lowers it; not run here). Bytes do show that the NVMe run cannot have saved
 # RAM here: when `offload_param` goes to `nvme`, DeepSpeed's parameter swapper allocates `buffer_count` x
-# `buffer_size` bf16 elements of page-locked host memory per rank as it starts (whether or not any
+# `buffer_size` bf16 elements of host memory per rank (page-locked on a GPU; not on this CPU) as it starts (whether or not any
 # parameter is swapped), <!-- fact: deepspeed.nvme_param_swapper_locked_buffers --> plus its optimizer swapper's buffers; the job measures both
 # (`swap_buffer_bytes`), and the parameter swapper's alone are more than the bytes this run moved
 # to disk (the check below):
@@ -325,7 +325,7 @@ if NVME_OK:
     asked = swap["buffer_count"] * swap["buffer_size"] * 2
     buffers = RUNS["DeepSpeed NVMe"].summary["swap_buffer_bytes"]  # per rank: {params, optimizer}
     on_disk = [sum(tables.where(RUNS["DeepSpeed NVMe"], c, r).get("disk", 0) for c in CATEGORIES) for r in R]
-    claim("on every rank the NVMe run's parameter swapper holds page-locked buffers of at least buffer_count x "  # fact: deepspeed.nvme_param_swapper_locked_buffers
+    claim("on every rank the NVMe run's parameter swapper holds buffers of at least buffer_count x "  # fact: deepspeed.nvme_param_swapper_locked_buffers
           "buffer_size bf16 elements (their size read by the job), more bytes than the state the run moved to disk: "
           "here NVMe cannot have saved RAM", all(asked <= b["params"] and d < b["params"] for b, d in zip(buffers, on_disk)),
           param_buffers_MB=[b["params"] / 1e6 for b in buffers], asked_MB=asked / 1e6,

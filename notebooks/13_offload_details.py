@@ -303,7 +303,7 @@ else:
 # below), so the peaks are shown without a claim (on a GPU, where the allocator's peak is exact,
 # the cell checks that FSDP offload lowers it; not run here). Bytes do show that the NVMe run cannot have saved
 # RAM here: when `offload_param` goes to `nvme`, DeepSpeed's parameter swapper allocates `buffer_count` x
-# `buffer_size` bf16 elements of host memory per rank (page-locked on a GPU; not on this CPU) as it starts (whether or not any
+# `buffer_size` bf16 elements of host memory per rank (page-locked on a GPU; not checked here) as it starts (whether or not any
 # parameter is swapped), <!-- fact: deepspeed.nvme_param_swapper_locked_buffers --> plus its optimizer swapper's buffers; the job measures both
 # (`swap_buffer_bytes`), and the parameter swapper's alone are more than the bytes this run moved
 # to disk (the check below):

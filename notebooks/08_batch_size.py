@@ -151,12 +151,12 @@ claim("each row ran its config: the offload row with fsdp_offload_params on, Dee
       reduce_bucket_size=[j.config["deepspeed"]["json"]["zero_optimization"].get("reduce_bucket_size") for j in JOBS[DS]])
 LARGEST = {m: walk.largest(runs) for m, runs in RESULT.items()}
 
-order = {m: sorted(RESULT[m], key=lambda b: RESULT[m][b]["started_at"]) for m in METHODS}  # batches, by start
 claim("each row's first job ran its prediction, and each next job one sequence up or down, to a batch that fits next "
       "to one that does not: two jobs where the prediction was right",
-      all(o[0] == max(PREDICTED[m], 1) and all(abs(b - a) == 1 for a, b in zip(o, o[1:])) for m, o in order.items())
+      all(walk.in_order(RESULT[m], PREDICTED[m]) for m in METHODS)
       and all(walk.walked(RESULT[m], PREDICTED[m]) for m in METHODS)
-      and all(len(RESULT[m]) == 2 for m in METHODS if LARGEST[m] == PREDICTED[m]), batches_in_order=order)
+      and all(len(RESULT[m]) == 2 for m in METHODS if LARGEST[m] == PREDICTED[m]),
+      batches_in_order={m: walk.order(RESULT[m]) for m in METHODS})
 lines = {j.name: [ln.split(":")[0] for ln in (RUNS / f"08_{j.name}" / "log.txt").read_text().splitlines()
                   if ln.startswith(("done:", "error:"))] for j in ALL}  # each job's closing lines
 claim("each job that fit ended with one `done:` line after its two steps; each over the budget ended with one "

@@ -222,7 +222,7 @@ else:
 # exact fingerprint and the dtype of the weight, the gradient before and after reduction, and
 # the update (`helpers/job/observe/tensor_trace.py`); `compare` then names the first tensor that differs,
 # its stage and its dtype on each side. It is the tool to reach for when two backends
-# disagree. Two demos: notebook 02's stalling pair (FSDP low precision, `full_shard_low_precision.yaml`,
+# disagree. Two demos: notebook 02's low-precision pair, here called the stalling pair (FSDP low precision, `full_shard_low_precision.yaml`,
 # whose optimizer works in bf16, vs aligned FSDP, at lr `LR`,
 # `TRACE` steps each), and the clipping breaker of section 2 (the two traced jobs).
 

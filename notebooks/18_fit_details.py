@@ -163,11 +163,10 @@ claim("each row's jobs are its predicted batch and the batches next to it, one s
       "next to one that does not", all(walk.walked(WALK[k], ROWS[k][3]) for k in ROWS),
       jobs={k: sorted(v) for k, v in WALK.items()})
 copied = sorted(n for n, j in JOBS.items() if j.summary["reused_from"])
-here = {k: sorted(runs, key=lambda b: runs[b]["started_at"]) for k, runs in WALK.items()  # batches, by start
-        if not any(JOBS[f"{k}_b{b}"].summary["reused_from"] for b in runs)}  # copies keep 08's start times
+here = [k for k, runs in WALK.items()  # copies keep 08's start times
+        if not any(JOBS[f"{k}_b{b}"].summary["reused_from"] for b in runs)]
 claim("each row whose jobs all ran here ran its predicted batch first, then one sequence up or down a job",
-      all(o[0] == max(ROWS[k][3], 1) and all(abs(b - a) == 1 for a, b in zip(o, o[1:])) for k, o in here.items()),
-      batches_in_order=here)
+      all(walk.in_order(WALK[k], ROWS[k][3]) for k in here), batches_in_order={k: walk.order(WALK[k]) for k in here})
 reused("each job copied from notebook 08 is its run of the same name, with the same config (all but --out), job key "
        "and losses", JOBS.values(), lambda j: RUNS / f"08_{j.name}")
 claim("the jobs copied are exactly those 08 completed with the same key (flags, ranks, code); the ones it saw stopped by "

@@ -29,3 +29,18 @@ def test_failures_lists_only_runs_the_budget_did_not_stop():
     runs = row({5: True, 6: False})
     runs[7] = {"memory_budget_fits": False, "status": "failed", "reason": "rank 1 exited with SIGKILL"}
     assert walk.failures({"full_shard": runs}) == {"full_shard b7": "rank 1 exited with SIGKILL"}
+
+
+def started(batches: list[int]) -> dict[int, dict]:
+    """A row whose jobs started in the order given."""
+    return {b: {"started_at": 1.8e9 + i} for i, b in enumerate(batches)}
+
+
+def test_in_order_needs_the_start_first_then_one_sequence_a_job():
+    assert walk.order(started([6, 5, 4])) == [6, 5, 4]
+    assert walk.in_order(started([5, 6, 7]), start=5)
+    assert walk.in_order(started([6, 5, 4]), start=6)  # walked down
+    assert walk.in_order(started([1, 2]), start=0)  # a prediction of 0 starts at 1
+    assert not walk.in_order(started([6, 5, 7]), start=6)  # jumped two sequences
+    assert not walk.in_order(started([5, 6, 7]), start=6)  # did not begin at the prediction
+    assert not walk.in_order({}, start=1)

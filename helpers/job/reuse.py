@@ -52,8 +52,9 @@ def job_key(args, world_size: int) -> str:
     return h.hexdigest()
 
 
-def why_not(args, world_size: int) -> str | None:
-    """None when ``args.reuse`` holds a completed run of this same job; else why not (one phrase)."""
+def why_not(args, world_size: int, key: str | None = None) -> str | None:
+    """None when ``args.reuse`` holds a completed run of this same job; else why not (one phrase).
+    ``key``: this job's ``job_key``, when the caller has it already."""
     src, out = Path(args.reuse), Path(args.out)
     if src.resolve() == out.resolve():
         return "it is --out itself"
@@ -63,7 +64,7 @@ def why_not(args, world_size: int) -> str | None:
         return "no finished run there"
     if summary.get("status") != "completed":
         return f"its run did not complete: status {summary.get('status')!r}"
-    if summary.get("job_key") != job_key(args, world_size):
+    if summary.get("job_key") != (key or job_key(args, world_size)):
         return "its run is another job: its flags, the files they name, ranks, host or code differ"
     return None
 
@@ -73,7 +74,8 @@ def try_reuse(args) -> str | None:
     The copy's summary says where it came from (``reused_from``) and the key this job computed for itself
     (``reuse_key``), which a reader can compare with the ``job_key`` DIR's own job recorded."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    why = why_not(args, world_size)
+    mine = job_key(args, world_size)  # hashes the guide's code: once
+    why = why_not(args, world_size, mine)
     if why is not None:
         return f"--reuse {args.reuse}: not reused, {why}; the job runs"
     if int(os.environ.get("RANK", "0")) == 0:
@@ -89,7 +91,6 @@ def try_reuse(args) -> str | None:
             for e in src.iterdir():
                 if e.name != LOCK:
                     (shutil.copytree if e.is_dir() else shutil.copy2)(e, out / e.name)
-            mine = job_key(args, world_size)
             for name, new in (("config.json", {"out": str(out)}),  # say where it came from, and what asked
                               ("summary.json", {"reused_from": str(src), "reuse_key": mine})):
                 d = json.loads((out / name).read_text())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
@@ -89,9 +90,11 @@ def step_numbers(run, rank: int = 0) -> list[int]:
 def fsdp_gathers_per_step(run, rank: int = 0) -> dict[str, float]:
     """{FSDP unit: all-gathers per profiled step} on ``rank``, from FSDP2's trace labels ``FSDP::all_gather (unit)``."""
     trace = raw_trace(run, rank)
-    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation"]
-    n, tag = len(_steps(trace)), "FSDP::all_gather ("
-    return {x[len(tag):-1]: names.count(x) / n for x in sorted(set(names)) if x.startswith(tag)}
+    tag = "FSDP::all_gather ("
+    counts = Counter(e["name"] for e in trace["traceEvents"]
+                     if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation" and e["name"].startswith(tag))
+    n = len(_steps(trace))
+    return {x[len(tag):-1]: counts[x] / n for x in sorted(counts)}
 
 
 def _origin(run) -> float:

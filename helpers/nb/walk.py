@@ -89,6 +89,17 @@ def walked(runs: dict[int, dict], start: int) -> bool:
             and not runs[top + 1]["memory_budget_fits"])
 
 
+def order(runs: dict[int, dict]) -> list[int]:
+    """A row's batches in the order its jobs started (each summary's ``started_at``)."""
+    return sorted(runs, key=lambda b: runs[b]["started_at"])
+
+
+def in_order(runs: dict[int, dict], start: int) -> bool:
+    """Whether a row's jobs ran ``start`` first, then one sequence up or down a job (by start time)."""
+    o = order(runs)
+    return bool(o) and o[0] == max(start, 1) and all(abs(b - a) == 1 for a, b in zip(o, o[1:], strict=False))
+
+
 def failures(walked: dict[str, dict[int, dict]]) -> dict[str, str]:
     """The runs that ended for another reason than the budget: {"KEY bB": reason}."""
     return {f"{k} b{b}": s["reason"] for k, runs in walked.items() for b, s in runs.items()

@@ -121,7 +121,7 @@ axes[0].figure.tight_layout()
 # * **Params + optimizer** moves every bf16 parameter partition to the host too. The
 #   "persistent" small parameters (at most `stage3_param_persistence_threshold` elements each;
 #   in this tiny model every decoder-layer weight and the final norm) also keep a whole copy
-#   next to the compute, and those copies stay on the device. <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.zero3_persistent_small_params -->
+#   next to the compute (booked on the device here; not checked on a GPU). <!-- fact: deepspeed.zero3_offload_keys --> <!-- fact: deepspeed.zero3_persistent_small_params -->
 #
 # Here the location checks below read each backend's bookkeeping: they catch a config key that did not take
 # effect, not bytes crossing a bus; the last one holds each place's bytes to the ZeRO model. (The last fact printed below takes its evidence from its own test engine, whose threshold is set to 16: there a 256-element weight is not kept whole.)
@@ -281,7 +281,7 @@ for label, row in totals.iterrows():
 #   together; <!-- fact: accelerate.fsdp_offload_one_switch --> <!-- fact: torch.fsdp2_cpu_offload_all --> DeepSpeed offloads the optimizer alone (the bf16 params
 #   stay) or the params too. <!-- fact: deepspeed.zero3_offload_keys -->
 # * DeepSpeed's CPU optimizer offload keeps an fp32 gradient copy on the host between steps; <!-- fact: deepspeed.offload_optimizer_keeps_fp32_grads -->
-#   ZeRO-3 keeps its small persistent params next to the compute. <!-- fact: deepspeed.zero3_persistent_small_params -->
+#   ZeRO-3 keeps its small persistent params whole on every rank. <!-- fact: deepspeed.zero3_persistent_small_params -->
 # * Here the losses did not change with offload, bit for bit (on a GPU the check allows 1%).
 #   On a GPU the "device" column is what stays in accelerator memory, the rest paid for in PCIe traffic and a host-side
 #   optimizer step (not measured here).

@@ -17,7 +17,7 @@
 # # 10 · Deep dive: a bump in the loss, and the learning rate
 #
 # **The question.** The loss curves of notebook 00 have a bump: the loss jumps for a step, in
-# both backends. Is that the learning rate or the data? (A deep dive from notebook 00; the core
+# both backends. Does it come with the learning rate? (A deep dive from notebook 00; the core
 # path goes on with 01.)
 #
 # **What we run.** Notebook 00's pair again (FSDP FULL_SHARD and DeepSpeed ZeRO-3, the tiny model,
@@ -108,9 +108,9 @@ near = fsdp.metrics[(fsdp.metrics.loss - math.log(97)).abs() < 0.03]
 claim(f"the 3e-3 loss lingers near ln 97 = {math.log(97):.2f}: three or more steps within 0.03 of it", len(near) >= 3,
       steps=near.step.tolist(), losses=near.loss.round(3).tolist())
 if NPROC == 2 and not GPUS:  # the bump measured above
-    claim("the bump comes at the step after the loss first reaches that plateau (step 8), lifts it above ln 97, and "
-          "the loss is back on the plateau at step 10", min(near.step) == 8 and 10 in near.step.tolist()
-          and fsdp.metrics.loss[9] > math.log(97), step9=round(float(fsdp.metrics.loss[9]), 3),
+    claim("the bump comes at the step after the loss first reaches that plateau (step 8), lifts it over 0.3 above "
+          "ln 97, and the loss is back on the plateau at step 10", min(near.step) == 8 and 10 in near.step.tolist()
+          and fsdp.metrics.loss[9] > math.log(97) + 0.3, step9=round(float(fsdp.metrics.loss[9]), 3),
           first_on_plateau=int(min(near.step)))
 claim("DeepSpeed's engine reported lr 3e-3 before every step (no warm-up)", (ds.metrics.lr == 3e-3).all(),
       lrs=sorted(set(ds.metrics.lr)), steps=len(ds.metrics))

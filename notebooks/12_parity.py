@@ -18,7 +18,7 @@
 #
 # **The question.** Notebooks 00 and 02 train the *aligned pair* (FSDP with mixed precision,
 # `launch_configs/fsdp/full_shard.yaml`, and DeepSpeed ZeRO-3, `launch_configs/deepspeed/zero3.yaml`)
-# bit for bit alike on the tiny Llama. Which settings does that take, which defaults break it, how do you
+# bit for bit alike on the tiny Llama on this CPU. Which settings does that take, which defaults break it, how do you
 # find the step, tensor and module where two runs part, and does it hold for other model
 # families? (A deep dive from notebook 02; the core path goes on with 03.)
 #

@@ -355,7 +355,7 @@ claim("each FSDP unit choice's collectives are exactly what its units predict: s
       no_wrap_largest_MB=utab.loc["no wrap", "largest_all_gather_MB"], blocks_MB=blocks_mb)
 if not GPUS:
     claim(f"on gloo, in ZeRO-3's rows with over 1 ms of both at once ({', '.join(zero_in)}), over 75% of that time was "
-          "inside an operator in which the training thread called a collective (our reading: not overlap)", waiting,
+          "inside an operator in which the training thread called a collective (our reading: mostly not overlap)", waiting,
           share_inside=zero_in)
 if SIZE == "full":
     claim("compiled, both backends train and stay close; the first step carries the compile time, and only ZeRO-3's "

@@ -21,7 +21,7 @@
 # instead: where does the pair part, and why there? (A deep dive from notebook 09, the last of
 # the core path.)
 #
-# **What we run.** The aligned pair twice, on the tiny Llama at 2 ranks for 3 steps, every trainable (adapter)
+# **What we run.** The aligned pair twice, at 2 ranks for 3 steps, every trainable (adapter)
 # weight, gradient and update traced (`--trace-tensors`; the frozen weights have no gradient): with `launch_configs/peft/lora.json` (`o_proj`, `down_proj`)
 # and with `lora_qv.json` (`q_proj`, `v_proj`). Both are rank-8 LoRA.
 
@@ -37,8 +37,8 @@ from helpers.core.models import model_config, resolve_model
 from helpers.nb import results
 from helpers.nb.claims import claim, ran
 
-SIZE = nb.setup()  # the same jobs at both sizes
-MODEL = "tiny"
+SIZE = nb.setup()  # "quick" under `make test`: the tiny model
+MODEL = "tiny" if SIZE == "quick" else "small"
 N = 2  # ranks: one per core here; on a GPU node one per GPU (nccl)
 assert nb.world_sizes([N]), f"this notebook needs {N} ranks; this node has {nb.gpu_count()} GPU(s)"
 os.environ.update(MODEL=MODEL, N=str(N))

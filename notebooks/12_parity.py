@@ -79,7 +79,7 @@ print(f"size={SIZE}: {SHORT} steps at lr {LR_HIGH}; the stalling pair and each f
 # * **Reductions and starting weights.** bf16 gradient reductions on both sides (bf16 on the wire;
 #   each side then keeps the reduced gradient in its own dtype, notebook 02's table, and `compare`
 #   below reads the fp32 copy the optimizer uses), <!-- fact: accelerate.fsdp_bf16_policy --> <!-- fact: deepspeed.reduce_dtype_keys --> and the same
-#   bf16-rounded weights (at step 0 every traced weight is the same bits on both sides: section 3).
+#   weights (at step 0 every traced weight is the same bits on both sides: section 3).
 # * **The gradient norm's arithmetic**, which only clipping reads in training: the guide's FSDP engine
 #   (`helpers/job/backends/fsdp.py`) sums the squares of the per-shard norms in ZeRO-3's order <!-- fact: deepspeed.zero3_grad_norm_fp64 --> (another order of the same sum can part in the last
 #   bit; not run here).

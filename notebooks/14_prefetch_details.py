@@ -103,7 +103,7 @@ reused("a job reused from notebook 04 is its twin there, with the same config (a
 # `fsdp_reshard_after_forward: false` (`shard_grad_op.yaml`) keeps gathered blocks from forward
 # to backward. <!-- fact: torch.fsdp2_reshard_after_forward --> DeepSpeed asks for no units: it gathers
 # each module's parameters as it runs (`set_z3_leaf_modules` can merge a subtree); thresholds
-# decide the rest. <!-- fact: deepspeed.zero3_leaf_modules -->
+# decide the rest (with notebook 04's default bucket, one gather for the whole model). <!-- fact: deepspeed.zero3_leaf_modules --> <!-- fact: deepspeed.zero3_gathers_per_module --> <!-- fact: deepspeed.zero3_bucket_gathers_once -->
 #
 # The "transformer blocks" row is notebook 04's prefetch setting (`full_shard_prefetch.yaml`); the
 # other three configs do not set forward prefetch, so their step times and peaks are not a

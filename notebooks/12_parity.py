@@ -280,7 +280,7 @@ claim("clipping breaker: the first tensor that differs is the reduced gradient, 
 # ## 4 · Gradient accumulation
 #
 # `--grad-accum 2` on both backends: DeepSpeed's `gradient_accumulation_steps` (filled from
-# the CLI into the JSON's `"auto"`) <!-- fact: accelerate.deepspeed_fills_auto_grad_accum --> and FSDP2 skipping the gradient reduction on all but the
+# the CLI into the JSON's `"auto"` by the guide, as Accelerate fills it from its own setting) <!-- fact: accelerate.deepspeed_fills_auto_grad_accum --> and FSDP2 skipping the gradient reduction on all but the
 # last micro-batch (`set_requires_gradient_sync`), <!-- fact: torch.fsdp2_no_sync_accumulates_unreduced --> both averaging the micro-batch losses, <!-- fact: deepspeed.backward_divides_by_grad_accum -->
 # no clipping.
 
@@ -508,8 +508,8 @@ claim("compare names where two runs part: the stalling pair's bf16 update, the i
       stalling_pair=(t.step, t.stage, t.dtype_a, t.dtype_b), implicit_clip=(c.step, c.stage))
 
 # %% [markdown]
-# * Parity takes explicit choices (the pair's configs, section 1): none of the
-#   parity-breaking DeepSpeed defaults left implicit; even then gradient accumulation (next bullet)
+# * Parity takes explicit choices (the pair's configs, section 1): neither of the two
+#   DeepSpeed defaults shown here to break parity left implicit; even then gradient accumulation (next bullet)
 #   and one FSDP default (last bullet) part runs. Clipping at 1.0 when `gradient_clipping` is absent (it acts once the norm passes 1, as at step 0 here), and ZeRO-3's own
 #   linear for biased `Linear` layers on batch x sequence inputs (run here on Qwen2 only), <!-- fact: deepspeed.gradient_clipping_default --> <!-- fact: deepspeed.zero3_swaps_linear --> are each enough to make the runs drift.
 # * Gradient accumulation agrees closely but not bitwise: the backends reduce and accumulate in a

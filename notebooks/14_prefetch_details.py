@@ -313,7 +313,7 @@ if SIZE == "full":
 
     plain = {"full_shard": pf["FSDP prefetch"], "zero3": pf["ZeRO-3 prefetch"]}  # uncompiled; profiled from step 2
     ratio = {k: (round(first(comp[k]), 1), round(first(plain[k]), 2)) for k in comp}
-    # step 0 / step 1: compiled several times over 3, uncompiled near 1 in runs so far (full size only)
+    # step 0 / step 1: compiled several times over 3, uncompiled under 2 in runs so far (full size only)
     slow_first = (all(c > 3 and u < 2 for c, u in ratio.values())
                   and all(comp[k].summary["tokens_per_step"] == plain[k].summary["tokens_per_step"] for k in comp))
     claim("the first step carries the compile time: compiled, step 0 takes over 3x step 1; uncompiled (this "

@@ -32,7 +32,7 @@
 # |---|---|
 # | FSDP, transformer blocks, without and with prefetch | `fsdp/full_shard_no_prefetch.yaml`, `fsdp/full_shard_prefetch.yaml` |
 # | ZeRO-3, without and with prefetch | `deepspeed/zero3_no_prefetch.yaml`, `deepspeed/zero3_prefetch.yaml` |
-# | FSDP units: size-based, none, no reshard | `fsdp/full_shard_size_wrap.yaml`, `fsdp/full_shard_no_wrap.yaml`, `fsdp/shard_grad_op.yaml` |
+# | FSDP units: size-based, no policy units, no reshard | `fsdp/full_shard_size_wrap.yaml`, `fsdp/full_shard_no_wrap.yaml`, `fsdp/shard_grad_op.yaml` |
 # | compiled FSDP and ZeRO-3 (full size only) | `fsdp/full_shard.yaml`, `deepspeed/zero3.yaml` |
 
 # %%
@@ -246,7 +246,7 @@ if not GPUS:
           {k: v for k, v in in_calls.items() if k not in zero_in})
     claim("ZeRO-3 rows with over 1 ms of both at once (here: " + ", ".join(zero_in) + "): over 75% of "
           "that time fell inside an operator in which the training thread itself called a collective (our reading: "
-          "waiting, not compute beside a transfer)", waiting, share_inside=zero_in,
+          "mostly waiting, not compute beside a transfer)", waiting, share_inside=zero_in,
           rows_under_1ms=[k for k in pf if k.startswith("ZeRO-3") and k not in zero_in])
 
 # %% [markdown]
@@ -303,7 +303,7 @@ if SIZE == "full":
     gap = max(abs(a - b) for a, b in zip(f, d))
     alike = gap < 5e-3  # under 1e-3 in runs so far (the compiled pair runs at full size only)
     claim("compiled FSDP and DeepSpeed train alike (within 0.005 per step; uncompiled they are bit-identical, "
-          "notebook 02; compiled, each side runs its own graphs: per block vs the whole engine)",
+          "notebook 02; compiled, each side runs its own graphs: per block vs the whole wrapped model)",
           alike, max_gap=gap)
     learn = all(x[-1] < x[0] - 0.5 for x in (f, d))
     claim("both compiled runs learn (loss down by over 0.5)", learn, fsdp=[f[0], f[-1]], deepspeed=[d[0], d[-1]])
